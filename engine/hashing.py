@@ -1,0 +1,42 @@
+"""Block identity: the hash chain every process agrees on.
+
+A full block of `block_size` tokens is identified by
+``sha256(parent_hash || model_fingerprint || token_ids)``, starting from a fixed
+root. The gateway, the router, both pools and the LMCache tier all call
+:func:`block_hashes`, so a block cached anywhere is recognised everywhere.
+Python's ``hash()`` is never used: it is salted per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+BlockHash = bytes
+
+# Fixed root of every chain; changing it invalidates every cache and index.
+ROOT_HASH: BlockHash = hashlib.sha256(b"duet-kv-root-v1").digest()
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int], model_fingerprint: str) -> BlockHash:
+    """Hash of one full block given its parent's hash."""
+    h = hashlib.sha256(parent)
+    h.update(model_fingerprint.encode())
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    model_fingerprint: str,
+    parent: BlockHash = ROOT_HASH,
+) -> list[BlockHash]:
+    """Hashes of every *full* block of `token_ids`; a trailing partial block has none."""
+    out: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], model_fingerprint)
+        out.append(parent)
+    return out
