@@ -1,0 +1,188 @@
+"""Router policy: pure functions that pick a replica from a snapshot.
+
+The deployment gathers `ReplicaSnapshot`s (from the replicas' routing stats) and
+the prefix index's `match()` result, calls `choose_prefill` / `choose_decode`,
+and applies the `RoutingDecision`. Nothing here does I/O or holds state, so the
+policy is unit-tested in milliseconds (STYLE.md §3).
+
+Prefill cost per replica, in units of KV blocks:
+
+    cost = overlap_weight * blocks_to_compute + load
+    load = queued_prefill_tokens / block_size + running_weight * running_requests
+
+When ``max(load) - min(load) > imbalance_threshold`` the prefix term and the
+session hint are ignored and load alone decides: a hot prefix cached on one
+replica must not pull every request there while the other idles.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSnapshot:
+    """What the router knows about one replica at decision time."""
+
+    replica_id: str
+    queued_prefill_tokens: int = 0
+    running_requests: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Router knobs; validated once at construction (names the bad field)."""
+
+    block_size: int = 16
+    # Cost of one block to compute, relative to one block of queued prefill.
+    overlap_weight: float = 1.0
+    # Load added per running request, in blocks.
+    running_weight: float = 1.0
+    # Softmax temperature over -cost; 0 = argmin with a stable tie-break.
+    temperature: float = 0.0
+    # Load spread (blocks) beyond which load alone decides.
+    imbalance_threshold: float = 64.0
+    # Cost reduction (blocks) for the replica a session last used.
+    session_affinity_bonus: float = 8.0
+    # Decode: cost of a fully used KV pool, in running sequences.
+    decode_kv_weight: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"RouterConfig.block_size must be > 0, got {self.block_size}")
+        for name in (
+            "overlap_weight",
+            "running_weight",
+            "temperature",
+            "imbalance_threshold",
+            "session_affinity_bonus",
+            "decode_kv_weight",
+        ):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"RouterConfig.{name} must be finite and >= 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """The chosen replica, the prefix it holds and why it won."""
+
+    replica_id: str
+    cached_blocks: int
+    cost: float
+    # "prefix" | "load" | "imbalance" | "affinity" | "sampled" | "kv" | "no-fit"
+    reason: str
+
+
+def prefill_load(snapshot: ReplicaSnapshot, config: RouterConfig) -> float:
+    """Queued prefill work in blocks plus a charge per running request."""
+    return (
+        snapshot.queued_prefill_tokens / config.block_size
+        + config.running_weight * snapshot.running_requests
+    )
+
+
+def prefill_costs(
+    num_prompt_tokens: int,
+    snapshots: Sequence[ReplicaSnapshot],
+    cached_blocks: Mapping[str, int],
+    config: RouterConfig,
+    preferred_replica: str | None = None,
+) -> tuple[list[float], bool]:
+    """Cost of each snapshot, and whether the imbalance guard fired."""
+    prompt_blocks = -(-num_prompt_tokens // config.block_size)
+    loads = [prefill_load(s, config) for s in snapshots]
+    imbalanced = len(loads) > 1 and max(loads) - min(loads) > config.imbalance_threshold
+    if imbalanced:
+        return loads, True
+    costs = []
+    for snap, load in zip(snapshots, loads):
+        cached = min(cached_blocks.get(snap.replica_id, 0), prompt_blocks)
+        cost = config.overlap_weight * (prompt_blocks - cached) + load
+        if snap.replica_id == preferred_replica:
+            cost -= config.session_affinity_bonus
+        costs.append(cost)
+    return costs, False
+
+
+def choose_prefill(
+    num_prompt_tokens: int,
+    snapshots: Sequence[ReplicaSnapshot],
+    cached_blocks: Mapping[str, int],
+    config: RouterConfig,
+    preferred_replica: str | None = None,
+    rng: random.Random | None = None,
+) -> RoutingDecision:
+    """Pick a prefill replica.
+
+    `cached_blocks` is the prefix index's `match()` (replica id → leading blocks
+    cached); `preferred_replica` is the session-affinity hint, if any.
+    """
+    if not snapshots:
+        raise ValueError("choose_prefill: no prefill replicas")
+    costs, imbalanced = prefill_costs(
+        num_prompt_tokens, snapshots, cached_blocks, config, preferred_replica
+    )
+    i, sampled = _pick(costs, snapshots, config.temperature, rng)
+    snap = snapshots[i]
+    cached = min(cached_blocks.get(snap.replica_id, 0), -(-num_prompt_tokens // config.block_size))
+    if imbalanced:
+        reason = "imbalance"
+    elif sampled:
+        reason = "sampled"
+    elif snap.replica_id == preferred_replica and config.session_affinity_bonus > 0:
+        reason = "affinity"
+    elif cached > 0:
+        reason = "prefix"
+    else:
+        reason = "load"
+    return RoutingDecision(snap.replica_id, cached, costs[i], reason)
+
+
+def decode_cost(snapshot: ReplicaSnapshot, config: RouterConfig) -> float:
+    """Running sequences plus a charge for the used fraction of the KV pool."""
+    used = 1.0 - snapshot.free_kv_blocks / snapshot.total_kv_blocks if snapshot.total_kv_blocks else 1.0
+    return snapshot.running_requests + config.decode_kv_weight * used
+
+
+def choose_decode(
+    snapshots: Sequence[ReplicaSnapshot],
+    config: RouterConfig,
+    blocks_needed: int = 0,
+    rng: random.Random | None = None,
+) -> RoutingDecision:
+    """Pick a decode replica among those with `blocks_needed` free KV blocks.
+
+    If none has room, the one with the most free blocks wins (reason "no-fit"):
+    it will queue or preempt, which beats failing the request here.
+    """
+    if not snapshots:
+        raise ValueError("choose_decode: no decode replicas")
+    fits = [s for s in snapshots if s.free_kv_blocks >= blocks_needed]
+    if not fits:
+        best = min(snapshots, key=lambda s: (-s.free_kv_blocks, s.running_requests, s.replica_id))
+        return RoutingDecision(best.replica_id, 0, decode_cost(best, config), "no-fit")
+    costs = [decode_cost(s, config) for s in fits]
+    i, sampled = _pick(costs, fits, config.temperature, rng)
+    return RoutingDecision(fits[i].replica_id, 0, costs[i], "sampled" if sampled else "kv")
+
+
+def _pick(
+    costs: Sequence[float],
+    snapshots: Sequence[ReplicaSnapshot],
+    temperature: float,
+    rng: random.Random | None,
+) -> tuple[int, bool]:
+    """Index of the winner; True when it was sampled rather than the argmin."""
+    if temperature == 0 or len(costs) == 1:
+        # Ties break on replica id so the choice does not depend on list order.
+        return min(range(len(costs)), key=lambda i: (costs[i], snapshots[i].replica_id)), False
+    rng = rng or random.Random()
+    lo = min(costs)
+    weights = [math.exp(-(c - lo) / temperature) for c in costs]
+    return rng.choices(range(len(costs)), weights=weights)[0], True
