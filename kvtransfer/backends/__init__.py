@@ -1,0 +1,53 @@
+"""Transfer backends, chosen by name from config: ``make_backend("nixl" | "torch", ...)``."""
+
+from __future__ import annotations
+
+import importlib
+
+from kvtransfer.backends.base import (
+    KVTransferBackend,
+    MetricsSnapshot,
+    PeerDisconnected,
+    PeerInfo,
+    TransferError,
+    TransferMetrics,
+    TransferStats,
+    TransferTimeout,
+)
+
+# Imported lazily: nixl loads UCX plugins, which a torch-only replica should not pay for.
+_BACKENDS = {
+    "nixl": ("kvtransfer.backends.nixl_backend", "NixlBackend"),
+    "torch": ("kvtransfer.backends.torch_backend", "TorchBackend"),
+}
+
+BACKEND_NAMES = tuple(_BACKENDS)
+DEFAULT_BACKEND = "nixl"
+
+
+def backend_class(name: str) -> type[KVTransferBackend]:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown KV transfer backend {name!r}; expected one of {list(_BACKENDS)}")
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_backend(name: str, replica_id: str, model_id: str, **kw) -> KVTransferBackend:
+    """Create a backend for one replica; ``kw`` are the backend's own options."""
+    return backend_class(name)(replica_id, model_id, **kw)
+
+
+__all__ = [
+    "BACKEND_NAMES",
+    "DEFAULT_BACKEND",
+    "KVTransferBackend",
+    "MetricsSnapshot",
+    "PeerDisconnected",
+    "PeerInfo",
+    "TransferError",
+    "TransferMetrics",
+    "TransferStats",
+    "TransferTimeout",
+    "backend_class",
+    "make_backend",
+]

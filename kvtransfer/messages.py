@@ -1,0 +1,148 @@
+"""Typed messages of the prefill -> decode handoff, aborts included.
+
+Every hop is a frozen dataclass (Ray pickles them between replicas); nothing here
+holds a tensor or a connection. The flow (ARCHITECTURE.md, "One request"):
+
+    prefill  --PrefillResult(kv_handle)-->  gateway  --DecodeRequest(kv_handle)-->  decode
+    decode   --Release | Reject-->  prefill            (ends the lease)
+    anyone   --Abort-->  whichever stage is live       (client gone, replica dead)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from kvtransfer.backends.base import PeerInfo
+from kvtransfer.layout import LayoutFingerprint
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Owns the claim on a prefill replica's leased KV blocks for one request.
+
+    ``peer`` is the backend's connection info (e.g. a NIXL agent's metadata, or a
+    TCPStore host/port), so decode can pull without a lookup service.
+    ``lease_expiry`` is wall-clock unix time: replicas may live on different hosts,
+    so a monotonic clock would mean nothing to the receiver.
+    """
+
+    request_id: str
+    prefill_replica_id: str
+    backend: str
+    peer: PeerInfo
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    fingerprint: LayoutFingerprint
+    lease_id: str
+    lease_expiry: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+        needed = math.ceil(self.num_tokens / self.fingerprint.block_size)
+        if len(self.block_ids) != needed:
+            raise ValueError(
+                f"KVHandle for {self.num_tokens} tokens needs {needed} blocks of "
+                f"{self.fingerprint.block_size}, got {len(self.block_ids)}"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.fingerprint.bytes_per_block
+
+    def expired(self, now: float | None = None) -> bool:
+        """True once the lease has run out; pulling then may read reused blocks."""
+        return (time.time() if now is None else now) >= self.lease_expiry
+
+    def seconds_left(self, now: float | None = None) -> float:
+        return self.lease_expiry - (time.time() if now is None else now)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What prefill returns: the first token at once, and the KV to hand off.
+
+    ``kv_handle`` is None when the request finished at prefill (e.g. the first
+    token was EOS or ``max_tokens == 1``); no lease was granted then.
+    """
+
+    request_id: str
+    first_token: int
+    kv_handle: KVHandle | None
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    first_token_logprobs: Any = None
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """What the gateway sends decode: enough to continue generating after the first token.
+
+    ``sampling`` is opaque here (the engine's sampling params); kvtransfer never reads it.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    first_token: int
+    sampling: Any
+    kv_handle: KVHandle
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+        if self.kv_handle.num_tokens != len(self.prompt_token_ids):
+            raise ValueError(
+                f"kv_handle covers {self.kv_handle.num_tokens} tokens, prompt has "
+                f"{len(self.prompt_token_ids)}"
+            )
+
+
+class RejectReason(StrEnum):
+    """Why decode refused a handoff; prefill frees the blocks at once either way."""
+
+    NO_FREE_BLOCKS = "no_free_blocks"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    LEASE_EXPIRED = "lease_expired"
+    TRANSFER_FAILED = "transfer_failed"
+    ABORTED = "aborted"
+
+
+class AbortReason(StrEnum):
+    """Why a request stops before it finishes."""
+
+    CLIENT_DISCONNECTED = "client_disconnected"
+    DECODE_REJECTED = "decode_rejected"
+    REPLICA_DIED = "replica_died"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class Release:
+    """Decode has its copy of the KV: prefill may unpin the blocks (they stay as prefix cache)."""
+
+    request_id: str
+    lease_id: str
+
+
+@dataclass(frozen=True)
+class Reject:
+    """Decode will not (or could not) import the KV: prefill frees the lease at once."""
+
+    request_id: str
+    lease_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stop a request wherever it is live; the receiver frees its blocks."""
+
+    request_id: str
+    reason: str
+    detail: str = field(default="")
