@@ -1,0 +1,363 @@
+"""The `Engine` step loop: schedule → prepare inputs → forward → sample → outputs.
+
+One engine serves one role. `aggregated` runs both phases with chunked prefill;
+`prefill` stops each request after its first token and keeps its blocks pinned for
+export; `decode` starts requests from KV imported into its own pool. The class is
+synchronous and not thread-safe: `AsyncEngine` drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillChunk, build_decode_mask
+from engine.block_pool import BlockPool
+from engine.config import ConfigError, EngineConfig, Role, resolve_device, resolve_dtype
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCache, num_blocks_for
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_events import KVEvent
+from engine.model import LlamaModel
+from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.tokenizer import load_tokenizer
+from engine.weights import load_checkpoint, resolve_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExportedKV:
+    """Blocks a prefill request left pinned for a handoff (one reference each)."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class Engine:
+    """Owns the model, the KV cache, the block pool and the scheduler of one replica."""
+
+    def __init__(self, cfg: EngineConfig | None = None, role: Role = "aggregated"):
+        cfg = cfg or EngineConfig()
+        self.cfg = cfg
+        self.role = role
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.checkpoint = resolve_checkpoint(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model)
+
+        model_cfg, state = load_checkpoint(self.checkpoint, self.dtype)
+        if cfg.max_model_len > model_cfg.max_position_embeddings:
+            raise ConfigError(
+                "max_model_len", f"{cfg.max_model_len} exceeds the model's context {model_cfg.max_position_embeddings}"
+            )
+        self.model_config = model_cfg
+        self.model = LlamaModel(model_cfg, state, self.dtype, self.device)
+        self.eos_token_ids = set(model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+        num_blocks = num_blocks_for(cfg, model_cfg, self.dtype)
+        self.kv_cache = KVCache(model_cfg, num_blocks, cfg.block_size, self.dtype, self.device)
+        self.block_pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.block_pool, cfg.block_size, self.model_fingerprint)
+        self.scheduler = Scheduler(self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._exports: dict[str, ExportedKV] = {}
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ------------------------------------------------------------ identity
+    @property
+    def model_id(self) -> str:
+        return self.model_config.model_id
+
+    @property
+    def model_fingerprint(self) -> str:
+        """Part of every block hash: KV from another model or dtype never matches."""
+        return f"{self.checkpoint.model_id}|{str(self.dtype).removeprefix('torch.')}"
+
+    # ------------------------------------------------------------ admission
+    def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        self.validate_prompt(ids)
+        return ids
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequest("prompt", "must not be empty")
+        if len(ids) >= self.cfg.max_model_len:
+            raise InvalidRequest(
+                "prompt",
+                f"{len(ids)} tokens do not fit this model's maximum context length of "
+                f"{self.cfg.max_model_len} tokens (at least one token must be generated)",
+            )
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidRequest("prompt", f"token ids must be integers in [0, {vocab})")
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        ids = self.tokenize_prompt(prompt)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.scheduler.requests or request_id in self._detoks:
+            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+        req = Request(request_id, ids, sampling, priority, stop_after_first_token=self.role == "prefill")
+        self._start(req)
+        return request_id
+
+    def _start(self, req: Request, context_ids: list[int] | None = None) -> None:
+        if req.sampling.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
+        stop = req.sampling.stop
+        self._detoks[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, context_ids or req.prompt_token_ids, stop, req.sampling.include_stop_str_in_output
+        )
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, FinishReason.ABORT, "")
+        return True
+
+    # ------------------------------------------------------------ prefill export / decode import
+    def take_export(self, request_id: str) -> ExportedKV | None:
+        return self._exports.pop(request_id, None)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """End of a lease (release, reject or expiry), or a failed import."""
+        self.kv_manager.release_blocks(block_ids)
+
+    def reserve_import(self, num_tokens: int) -> list[int] | None:
+        """Blocks for KV arriving from a prefill replica, or None when full (→ Reject)."""
+        n = self.kv_manager.blocks_needed(num_tokens)
+        if n > self.block_pool.num_free_blocks or len(self.scheduler.running) >= self.cfg.max_num_seqs:
+            return None
+        return self.block_pool.allocate(n)
+
+    def add_imported_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        sampling: SamplingParams,
+        block_ids: list[int],
+        num_cached_tokens: int = 0,
+    ) -> None:
+        """Join the running batch with the prompt's KV already in `block_ids`; the next
+        step computes the first token's KV and samples the second."""
+        sampling.validate()
+        self.validate_prompt(prompt_token_ids)
+        req = Request(request_id, list(prompt_token_ids), sampling)
+        req.token_ids.append(first_token)
+        req.block_ids = list(block_ids)
+        req.num_computed_tokens = len(prompt_token_ids)
+        req.num_cached_tokens = num_cached_tokens
+        req.status = RequestStatus.RUNNING
+        self.kv_manager.cache_computed_blocks(req)
+        self._start(req, context_ids=req.token_ids)
+
+    # ------------------------------------------------------------ the step
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs, self._pending = self._pending, []
+        if not sched:
+            return outputs
+        to_sample = [s.request for s in sched.scheduled if s.samples]
+        input_ids, positions, meta, logits_idx = self._prepare(sched)
+        logits = self.model.forward(input_ids, positions, meta, self.kv_cache.layers, logits_idx)
+        self.scheduler.commit(sched)
+        self.num_steps += 1
+        if to_sample:
+            sampled = self.sampler(logits, to_sample)
+            for req, tok, lp in zip(to_sample, sampled.token_ids, sampled.logprobs):
+                outputs.append(self._append_token(req, tok, lp))
+        return outputs
+
+    def _prepare(self, sched: SchedulerOutput):
+        bs = self.cfg.block_size
+        dev = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        decode_tables: list[list[int]] = []
+        context_lens: list[int] = []
+        for s in sched.decodes:
+            r = s.request
+            p = r.num_computed_tokens
+            ids.append(r.token_ids[p])
+            pos.append(p)
+            decode_tables.append(r.block_ids[: p // bs + 1])
+            context_lens.append(p + 1)
+        chunks: list[PrefillChunk] = []
+        start = len(ids)
+        for s in sched.prefills:
+            r, n, c = s.request, s.num_new_tokens, s.request.num_computed_tokens
+            ids.extend(r.token_ids[c : c + n])
+            pos.extend(range(c, c + n))
+            table = torch.tensor(r.block_ids[: -(-(c + n) // bs)], dtype=torch.long, device=dev)
+            chunks.append(PrefillChunk(start, n, c, table))
+            start += n
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+
+        # Slot of every new token: decode rows from their tables, prefill rows by chunk.
+        slot_blocks = torch.empty_like(positions)
+        d = len(sched.decodes)
+        if d:
+            slot_blocks[:d] = torch.tensor([t[-1] for t in decode_tables], dtype=torch.long, device=dev)
+        for ch in chunks:
+            p = positions[ch.token_start : ch.token_start + ch.num_tokens]
+            slot_blocks[ch.token_start : ch.token_start + ch.num_tokens] = ch.block_table[p // bs]
+        slot_offsets = positions % bs
+
+        tables = mask = None
+        if d:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
+            lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
+            mask = build_decode_mask(lens, width * bs, torch.float32)
+        meta = AttentionMetadata(slot_blocks, slot_offsets, d, tables, mask, chunks)
+
+        logits_idx: list[int] = []
+        row = 0
+        for s in sched.scheduled:
+            row += s.num_new_tokens
+            if s.samples:
+                logits_idx.append(row - 1)
+        return input_ids, positions, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev)
+
+    def _append_token(self, req: Request, token: int, logprob) -> RequestOutput:
+        req.token_ids.append(token)
+        sp = req.sampling
+        reason: FinishReason | None = None
+        if (not sp.ignore_eos and token in self.eos_token_ids) or token in sp.stop_token_ids:
+            reason = FinishReason.STOP
+        elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            reason = FinishReason.LENGTH
+        text, stop_hit = self._detoks[req.request_id].add([token])
+        if stop_hit:
+            reason = FinishReason.STOP
+        if reason is None and req.stop_after_first_token:
+            reason = FinishReason.PREFILL_DONE
+        out = self._output(req, [token], text, reason)
+        out.logprobs = None if logprob is None else [logprob]
+        if reason is not None:
+            out.text += self._finish(req, reason, None)
+        return out
+
+    def _finish(self, req: Request, reason: FinishReason, pending_text: str | None) -> str:
+        """Remove `req`; returns the held-back text. When `pending_text` is given (an
+        abort), a final output is queued for the next step."""
+        export = reason is FinishReason.PREFILL_DONE
+        blocks = self.scheduler.finish(req, reason, keep_blocks=export)
+        if export:
+            self._exports[req.request_id] = ExportedKV(req.request_id, blocks, req.num_prompt_tokens)
+        detok = self._detoks.pop(req.request_id)
+        tail = detok.flush() if reason is not FinishReason.ABORT else ""
+        if pending_text is not None:
+            self._pending.append(self._output(req, [], pending_text, reason))
+        return tail
+
+    def _output(self, req: Request, new_ids: list[int], text: str, reason: FinishReason | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            text=text,
+            finished=reason is not None,
+            finish_reason=None if reason is None else reason.value,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    # ------------------------------------------------------------ observability
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.block_pool.take_events()
+
+    def stats(self) -> dict[str, float]:
+        pool = self.block_pool
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "queued_prefill_tokens": self.scheduler.num_waiting_tokens,
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_free": pool.num_free_blocks,
+            "kv_usage": pool.usage(),
+            "prefix_cache_hit_rate": pool.stats.hit_rate,
+            "prefix_cache_evictions": pool.stats.evictions,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_exported": len(self._exports),
+        }
+
+    # ------------------------------------------------------------ offline use
+    def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        rid = self.add_request(prompt, sampling)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        params = sampling if isinstance(sampling, Sequence) else [sampling or SamplingParams()] * len(prompts)
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        results = {
+            rid: GenerationResult(rid, "", [], None, self.scheduler.requests[rid].num_prompt_tokens, 0)
+            for rid in rids
+        }
+        pending = set(rids)
+        while pending:
+            for out in self.step():
+                res = results.get(out.request_id)
+                if res is None:
+                    continue
+                res.text += out.text
+                res.token_ids.extend(out.new_token_ids)
+                res.num_cached_tokens = out.num_cached_tokens
+                if out.finished:
+                    res.finish_reason = out.finish_reason
+                    pending.discard(out.request_id)
+        return [results[r] for r in rids]

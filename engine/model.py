@@ -1,0 +1,120 @@
+"""Our Llama forward: RMSNorm, RoPE, grouped-query attention over the paged KV
+cache, SwiGLU MLP, optionally tied LM head.
+
+Weights arrive in HF naming from `weights.py`. Q/K/V and gate/up are fused into
+one matmul each: on a CPU the fixed cost per op matters as much as the FLOPs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as HF's LlamaRMSNorm (variance in fp32, cast back, then scale).
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv_freq = _llama3_scale(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    import math
+
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(is_mid, mid, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """Owns the weights (fused, in the engine's dtype and device) and runs one step."""
+
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+
+        def take(name: str) -> torch.Tensor:
+            return state.pop(name).to(device=device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            self.layers.append(
+                (
+                    take(p + "input_layernorm.weight"),
+                    qkv,
+                    take(p + "self_attn.o_proj.weight"),
+                    take(p + "post_attention_layernorm.weight"),
+                    gate_up,
+                    take(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.norm = take("model.norm.weight")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight")
+        self.inv_freq = rope_inv_freq(cfg).to(device)
+        self.scale = cfg.head_dim**-0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor,  # [R] rows whose next-token logits are needed
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope(positions)
+        t = input_ids.shape[0]
+        for (ln1, w_qkv, w_o, ln2, w_gate_up, w_down), (k_cache, v_cache) in zip(self.layers, kv_layers):
+            x = rms_norm(h, ln1, cfg.rms_norm_eps)
+            qkv = F.linear(x, w_qkv)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, cfg.num_heads, cfg.head_dim)
+            k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            h = h + F.linear(attn, w_o)
+            x = rms_norm(h, ln2, cfg.rms_norm_eps)
+            gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w_down)
+        h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,98 @@
+"""A request's state inside one engine, and what the engine reports back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.hashing import BlockHash
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, stop token or stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+    PREFILL_DONE = "prefill_done"  # prefill role: first token sampled, KV exported
+
+
+@dataclass
+class Request:
+    """Owns one sequence: its tokens, progress, block table and sampling state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    # prefill role: finish after the first sampled token and keep the blocks pinned.
+    stop_after_first_token: bool = False
+
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_hashed_blocks_cached: int = 0  # leading blocks already registered in the pool
+    num_cached_tokens: int = -1  # prefix-cache hit at first schedule; -1 = not yet scheduled
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """One step's news about one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new text since the last output (stop strings already cut)
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None

@@ -1,0 +1,162 @@
+"""Continuous batching with a per-step token budget.
+
+Each step: running requests that need one token (decodes) are scheduled first,
+then running requests still in prefill get a chunk, then waiting requests are
+admitted in (priority, arrival) order while the budget, `max_num_seqs` and the
+block pool allow. When blocks run out, the lowest-priority running request not yet
+scheduled this step is preempted by recompute: its blocks are freed and it goes
+back to the head of the queue with its generated tokens kept.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledRequest] = field(default_factory=list)  # one new token each
+    prefills: list[ScheduledRequest] = field(default_factory=list)  # chunks of > 1 token
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decodes) + sum(s.num_new_tokens for s in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; decides each step's batch."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ admission
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        if req.status is RequestStatus.RUNNING:  # imported KV: joins the batch directly
+            self.running.append(req)
+            return
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        req.status = RequestStatus.WAITING
+        if front:
+            self.waiting.appendleft(req)
+        elif not self.waiting or self.waiting[-1].sort_key <= req.sort_key:
+            self.waiting.append(req)
+        else:  # priority insert; FCFS queues take the fast path above
+            items = sorted([*self.waiting, req], key=lambda r: r.sort_key)
+            self.waiting = deque(items)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    # ------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=lambda r: r.sort_key)
+        scheduled: set[str] = set()
+
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decoding + prefilling:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, n, scheduled, out):
+                continue
+            (out.decodes if n == 1 else out.prefills).append(ScheduledRequest(req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            computed = self.kv.computed_blocks(req) if req.num_computed_tokens == 0 else []
+            n = min(req.num_tokens - len(computed) * self.kv.block_size, budget)
+            if not self.kv.allocate_slots(req, n, computed):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            (out.decodes if n == 1 else out.prefills).append(ScheduledRequest(req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+        return out
+
+    def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(req, n):
+            candidates = [r for r in self.running if r.request_id not in scheduled]
+            victim = max(candidates, key=lambda r: r.sort_key)
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req, front=True)
+
+    # ------------------------------------------------------------ after the forward
+    def commit(self, out: SchedulerOutput) -> None:
+        """Advance progress for everything that ran, and cache newly full blocks."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(s.request)
+
+    def finish(self, req: Request, reason: FinishReason, keep_blocks: bool = False) -> list[int]:
+        """Remove a request; returns its blocks when `keep_blocks` (prefill export)."""
+        if req.is_finished:
+            return []
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+        if keep_blocks:
+            return self.kv.detach(req)
+        self.kv.free(req)
+        return []

@@ -1,0 +1,47 @@
+"""Tokenizer and chat template, from the GGUF metadata or a Hugging Face directory.
+
+transformers rebuilds the GGUF's GPT-2 BPE as a fast (Rust) tokenizer, so the
+gateway and the engine tokenize exactly as the reference implementation does.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from engine.weights import Checkpoint, resolve_checkpoint
+
+
+class Tokenizer:
+    """Owns encode/decode, the special ids and the chat template of one model."""
+
+    def __init__(self, ckpt: Checkpoint):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import AutoTokenizer
+
+        if ckpt.kind == "gguf":
+            self.hf = AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name)
+        else:
+            self.hf = AutoTokenizer.from_pretrained(str(ckpt.path))
+        self.eos_token_id: int | None = self.hf.eos_token_id
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return self.hf.convert_ids_to_tokens(token_ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.hf.chat_template:
+            raise ValueError("this model has no chat template; use the completions endpoint")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(model: str) -> Tokenizer:
+    return Tokenizer(resolve_checkpoint(model))
