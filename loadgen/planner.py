@@ -1,0 +1,160 @@
+"""Capacity planner: fit each pool's capacity model on measured sweeps, then find
+the fewest prefill and decode replicas whose simulated goodput meets the target.
+
+Inputs are `duet bench serve` results (report.py point objects):
+- a prefill-heavy sweep (long input, 1 output token): per-request (prompt tokens,
+  TTFT) at the lightest load gives service time a + b * tokens, corrected for the
+  queueing an M/G/1 queue per replica predicts at that load;
+- a decode-heavy sweep (short input, long output): per point, the mean batch per
+  replica (Little's law: completed req/s x mean decode time / replicas) against
+  mean TPOT gives step time c + d * batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from loadgen.metrics import SLO
+from loadgen.simulator import DecodeModel, PrefillModel, SimResult, Traffic, simulate
+
+
+@dataclass(frozen=True)
+class PlanTarget:
+    """What the plan must meet: a fraction `goodput_target` of requests meets every
+    SLO at the traffic's rate and length mix."""
+
+    traffic: Traffic
+    slo: SLO
+    goodput_target: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.slo.empty:
+            raise ValueError("the plan needs at least one SLO (ttft, tpot or e2el)")
+        if not 0 < self.goodput_target <= 1:
+            raise ValueError("goodput_target must be in (0, 1]")
+
+
+@dataclass
+class Plan:
+    """The recommendation and the simulation that supports it."""
+
+    prefill_replicas: int
+    decode_replicas: int
+    predicted: dict[str, float]
+    feasible: bool
+    prefill_model: PrefillModel
+    decode_model: DecodeModel
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prefill_replicas": self.prefill_replicas,
+            "decode_replicas": self.decode_replicas,
+            "feasible": self.feasible,
+            "predicted": self.predicted,
+            "prefill_model": {"a_ms": self.prefill_model.a_s * 1e3, "b_ms_per_token": self.prefill_model.b_s_per_token * 1e3},
+            "decode_model": {"c_ms": self.decode_model.c_s * 1e3, "d_ms_per_seq": self.decode_model.d_s_per_seq * 1e3,
+                             "max_batch": self.decode_model.max_batch},
+            "notes": self.notes,
+        }
+
+
+def _completed(point: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in point["requests"] if r["outcome"] == "completed" and r.get("ttft_ms") is not None]
+
+
+def fit_prefill(points: list[dict[str, Any]], replicas: int = 1) -> PrefillModel:
+    """Service time a + b*tokens from the lightest-loaded point of a prefill sweep."""
+    usable = [p for p in points if len(_completed(p)) >= 2]
+    if not usable:
+        raise ValueError("prefill sweep has no point with >= 2 completed requests")
+    p = min(usable, key=lambda q: q["metrics"]["request_throughput"])
+    rows = _completed(p)
+    x = np.array([r["prompt_tokens"] for r in rows], float)
+    y = np.array([r["ttft_ms"] for r in rows], float) / 1e3
+    if x.std() < 1.0:  # one prompt length: a and b are not separable; assume a = 0
+        a, b = 0.0, float(y.mean() / x.mean())
+    else:
+        b, a = (float(v) for v in np.polyfit(x, y, 1))
+        if a < 0:
+            a, b = 0.0, float((x @ y) / (x @ x))
+        if b < 0:
+            a, b = float(y.mean()), 0.0
+    # The light point still queues a little: remove M/G/1 mean wait W = lam E[S^2] / (2(1-rho))
+    # by shrinking (a, b) until service + W reproduces the measured mean TTFT.
+    lam = p["metrics"]["request_throughput"] / replicas
+    target = float(y.mean())
+    scale = 1.0
+    for _ in range(50):
+        s = scale * (a + b * x)
+        rho = lam * s.mean()
+        if rho >= 0.95:
+            break
+        wait = lam * (s**2).mean() / (2 * (1 - rho))
+        scale = max(0.05, (target - wait) / (a + b * x).mean())
+    return PrefillModel(a * scale, b * scale)
+
+
+def fit_decode(points: list[dict[str, Any]], replicas: int = 1, max_batch: int = 256) -> DecodeModel:
+    """Step time c + d*batch by least squares over the points of a decode sweep."""
+    batch, tpot = [], []
+    for p in points:
+        rows = [r for r in _completed(p) if r.get("tpot_ms") is not None]
+        if not rows:
+            continue
+        decode_s = np.mean([(r["e2el_ms"] - r["ttft_ms"]) / 1e3 for r in rows])
+        batch.append(p["metrics"]["request_throughput"] * decode_s / replicas)
+        tpot.append(np.mean([r["tpot_ms"] for r in rows]) / 1e3)
+    if len(batch) < 2 or np.ptp(batch) < 0.5:
+        raise ValueError("decode sweep needs >= 2 points at different batch sizes (sweep --concurrency)")
+    d, c = (float(v) for v in np.polyfit(batch, tpot, 1))
+    if c < 0:
+        c, d = 0.0, float(np.dot(batch, tpot) / np.dot(batch, batch))
+    if d < 0:
+        c, d = float(np.mean(tpot)), 0.0
+    return DecodeModel(c, d, max_batch)
+
+
+def recommend(
+    prefill: PrefillModel,
+    decode: DecodeModel,
+    target: PlanTarget,
+    num_requests: int = 2000,
+    seed: int = 0,
+    max_replicas: int = 64,
+    transfer_s: float = 0.0,
+) -> Plan:
+    """Fewest replicas per pool meeting the goodput target in simulation.
+
+    Each pool is sized first against its own SLO (TTFT depends only on prefill),
+    then the joint simulation adds a replica to the weaker pool until the joint
+    goodput meets the target or `max_replicas` is reached (then infeasible)."""
+    tr, slo, g = target.traffic, target.slo, target.goodput_target
+    run = lambda p, d: simulate(prefill, decode, p, d, tr, num_requests, seed, transfer_s)  # noqa: E731
+    pre_slo = SLO(ttft_ms=slo.ttft_ms)
+    dec_slo = SLO(tpot_ms=slo.tpot_ms)
+    mean_in, mean_out = tr.input_len.mean, tr.output_len.mean
+    p = max(1, math.ceil(tr.rate * float(prefill.service_s(mean_in))))
+    while p < max_replicas and not pre_slo.empty and simulate(
+            prefill, None, p, 0, tr, num_requests, seed).goodput_ratio(pre_slo) < g:
+        p += 1
+    d = max(1, math.ceil(tr.rate * max(mean_out - 1, 0) / decode.max_tokens_per_s()))
+    sim = run(p, d)
+    while d < max_replicas and not dec_slo.empty and sim.goodput_ratio(dec_slo) < g:
+        d += 1
+        sim = run(p, d)
+    while sim.goodput_ratio(slo) < g and (p < max_replicas or d < max_replicas):
+        weak_pre = sim.goodput_ratio(pre_slo) if not pre_slo.empty else 1.0
+        weak_dec = sim.goodput_ratio(dec_slo) if not dec_slo.empty else 1.0
+        if (weak_pre <= weak_dec and p < max_replicas) or d >= max_replicas:
+            p += 1
+        else:
+            d += 1
+        sim = run(p, d)
+    feasible = sim.goodput_ratio(slo) >= g
+    notes = [] if feasible else [f"goodput target {g} not reached with {max_replicas} replicas per pool"]
+    return Plan(p, d, sim.summary(slo), feasible, prefill, decode, notes)

@@ -1,0 +1,182 @@
+"""Seeded discrete-event simulation of a disaggregated cluster, for the planner.
+
+Model (the same one planner.py fits):
+- Prefill pool: P replicas, each a single FCFS server; a request goes to the replica
+  that frees up first (what a load-aware router approximates). Service time
+  a + b * prompt_tokens. The first token leaves with the prefill result, so
+  TTFT = prefill queueing + service.
+- Decode pool: D replicas, each a continuous batch. A request joins the replica with
+  the fewest sequences `transfer_s` after its prefill ends; every step takes
+  c + d * batch_size and gives each running sequence one token; at most `max_batch`
+  run at once, the rest wait. TPOT = (E2EL - TTFT) / (output_tokens - 1).
+Not modelled: prefix-cache hits, chunked prefill, preemption, network jitter.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from loadgen.arrivals import inter_arrival_gaps
+from loadgen.distributions import LengthDist
+from loadgen.metrics import SLO
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    """Per-replica prefill service time: a + b * prompt_tokens (seconds)."""
+
+    a_s: float
+    b_s_per_token: float
+
+    def service_s(self, tokens: np.ndarray | float) -> np.ndarray | float:
+        return self.a_s + self.b_s_per_token * tokens
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    """Per-replica decode step time: c + d * batch_size (seconds), i.e. TPOT(batch)."""
+
+    c_s: float
+    d_s_per_seq: float
+    max_batch: int = 256
+
+    def step_s(self, batch: int) -> float:
+        return self.c_s + self.d_s_per_seq * batch
+
+    def max_tokens_per_s(self) -> float:
+        return self.max_batch / self.step_s(self.max_batch)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Target load: open-loop arrivals at `rate` req/s with a length mix."""
+
+    rate: float
+    input_len: LengthDist
+    output_len: LengthDist
+    burstiness: float = 1.0
+
+
+@dataclass
+class SimResult:
+    """Per-request simulated latencies (seconds); tpot is NaN for 1-token outputs."""
+
+    arrival: np.ndarray
+    ttft: np.ndarray
+    tpot: np.ndarray
+    e2el: np.ndarray
+    output_tokens: np.ndarray
+
+    @property
+    def duration_s(self) -> float:
+        return float(np.max(self.arrival + self.e2el) - np.min(self.arrival))
+
+    def good(self, slo: SLO) -> np.ndarray:
+        ok = np.ones(len(self.ttft), bool)
+        if slo.ttft_ms is not None:
+            ok &= self.ttft <= slo.ttft_ms / 1000
+        if slo.tpot_ms is not None:
+            ok &= np.nan_to_num(self.tpot, nan=0.0) <= slo.tpot_ms / 1000
+        if slo.e2el_ms is not None:
+            ok &= self.e2el <= slo.e2el_ms / 1000
+        return ok
+
+    def goodput_ratio(self, slo: SLO) -> float:
+        return float(self.good(slo).mean())
+
+    def summary(self, slo: SLO | None = None) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, v in (("ttft", self.ttft), ("tpot", self.tpot[~np.isnan(self.tpot)]), ("e2el", self.e2el)):
+            for p in (50, 90, 99):
+                out[f"{name}_p{p}_ms"] = float(np.percentile(v, p) * 1000) if len(v) else math.nan
+            out[f"{name}_mean_ms"] = float(v.mean() * 1000) if len(v) else math.nan
+        if slo is not None and not slo.empty:
+            out["goodput_ratio"] = self.goodput_ratio(slo)
+            out["goodput_rps"] = float(self.good(slo).sum() / self.duration_s)
+        return out
+
+
+def _simulate_prefill(arrival: np.ndarray, service: np.ndarray, n_replicas: int) -> np.ndarray:
+    """Prefill end times; arrivals are sorted, so FCFS order is index order."""
+    free_at = [0.0] * n_replicas  # a heap of replica free times
+    done = np.empty_like(arrival)
+    for i, (t, s) in enumerate(zip(arrival, service)):
+        f = heapq.heappop(free_at)
+        done[i] = max(t, f) + s
+        heapq.heappush(free_at, done[i])
+    return done
+
+
+def _simulate_decode(join: np.ndarray, tokens_left: np.ndarray, model: DecodeModel, n_replicas: int) -> np.ndarray:
+    """Finish times of requests that join decode at `join` needing `tokens_left` steps."""
+    finish = join.copy()  # requests with nothing left finish when they join
+    order = [int(i) for i in np.argsort(join, kind="stable") if tokens_left[i] > 0]
+    running: list[dict[int, int]] = [{} for _ in range(n_replicas)]
+    waiting: list[deque[int]] = [deque() for _ in range(n_replicas)]
+    busy = [False] * n_replicas
+    events: list[tuple[float, int, int]] = []  # (time, kind 0=step end 1=join, replica or request)
+    for i in order:
+        heapq.heappush(events, (float(join[i]), 1, i))
+
+    def start_step(r: int, t: float) -> None:
+        while waiting[r] and len(running[r]) < model.max_batch:
+            j = waiting[r].popleft()
+            running[r][j] = int(tokens_left[j])
+        if running[r]:
+            busy[r] = True
+            heapq.heappush(events, (t + model.step_s(len(running[r])), 0, r))
+        else:
+            busy[r] = False
+
+    while events:
+        t, kind, x = heapq.heappop(events)
+        if kind == 1:
+            r = min(range(n_replicas), key=lambda k: len(running[k]) + len(waiting[k]))
+            waiting[r].append(x)
+            if not busy[r]:
+                start_step(r, t)
+        else:
+            batch = running[x]
+            for j in list(batch):
+                batch[j] -= 1
+                if batch[j] == 0:
+                    finish[j] = t
+                    del batch[j]
+            start_step(x, t)
+    return finish
+
+
+def simulate(
+    prefill: PrefillModel,
+    decode: DecodeModel | None,
+    n_prefill: int,
+    n_decode: int,
+    traffic: Traffic,
+    num_requests: int = 1000,
+    seed: int = 0,
+    transfer_s: float = 0.0,
+) -> SimResult:
+    """Simulate `num_requests` requests; `decode=None` simulates prefill only (TPOT 0)."""
+    if n_prefill < 1 or (decode is not None and n_decode < 1):
+        raise ValueError("replica counts must be >= 1")
+    rng = np.random.default_rng(seed)
+    arrival = np.cumsum(inter_arrival_gaps(traffic.rate, num_requests, traffic.burstiness, seed))
+    n_in = traffic.input_len.sample(rng, num_requests).astype(float)
+    n_out = traffic.output_len.sample(rng, num_requests)
+    first = _simulate_prefill(arrival, np.asarray(prefill.service_s(n_in), float), n_prefill)
+    ttft = first - arrival
+    if decode is None:
+        end = first
+    else:
+        end = _simulate_decode(first + transfer_s, n_out - 1, decode, n_decode)
+    e2el = end - arrival
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(n_out > 1, (e2el - ttft) / (n_out - 1), np.nan)
+    if decode is None:
+        tpot = np.where(n_out > 1, 0.0, np.nan)
+    return SimResult(arrival, ttft, tpot, e2el, n_out)
