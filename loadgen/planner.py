@@ -3,8 +3,8 @@ the fewest prefill and decode replicas whose simulated goodput meets the target.
 
 Inputs are `duet bench serve` results (report.py point objects):
 - a prefill-heavy sweep (long input, 1 output token): per-request (prompt tokens,
-  TTFT) at the lightest load gives service time a + b * tokens, corrected for the
-  queueing an M/G/1 queue per replica predicts at that load;
+  TTFT) at the lightest load gives service time a + b * tokens, its intercept
+  corrected for the mean wait an M/G/1 queue per replica predicts at that load;
 - a decode-heavy sweep (short input, long output): per point, the mean batch per
   replica (Little's law: completed req/s x mean decode time / replicas) against
   mean TPOT gives step time c + d * batch.
@@ -84,19 +84,18 @@ def fit_prefill(points: list[dict[str, Any]], replicas: int = 1) -> PrefillModel
             a, b = 0.0, float((x @ y) / (x @ x))
         if b < 0:
             a, b = float(y.mean()), 0.0
-    # The light point still queues a little: remove M/G/1 mean wait W = lam E[S^2] / (2(1-rho))
-    # by shrinking (a, b) until service + W reproduces the measured mean TTFT.
+    # The light point still queues a little. In FCFS a request's wait does not depend
+    # on its own length, so the regression's intercept is a + E[W]: remove the M/G/1
+    # mean wait W = lam E[S^2] / (2 (1 - rho)) from it (fixed point, a few steps).
     lam = p["metrics"]["request_throughput"] / replicas
-    target = float(y.mean())
-    scale = 1.0
+    a_fit, a_true = a, a
     for _ in range(50):
-        s = scale * (a + b * x)
+        s = a_true + b * x
         rho = lam * s.mean()
         if rho >= 0.95:
             break
-        wait = lam * (s**2).mean() / (2 * (1 - rho))
-        scale = max(0.05, (target - wait) / (a + b * x).mean())
-    return PrefillModel(a * scale, b * scale)
+        a_true = max(0.0, a_fit - lam * (s**2).mean() / (2 * (1 - rho)))
+    return PrefillModel(a_true, b)
 
 
 def fit_decode(points: list[dict[str, Any]], replicas: int = 1, max_batch: int = 256) -> DecodeModel:
