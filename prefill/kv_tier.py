@@ -180,7 +180,9 @@ class KVTier:
         )
         cfg.validate()
         metadata = LMCacheMetadata(
-            model_name=model_fingerprint,
+            # Keys and file names embed the model name; a digest keeps them free
+            # of the '@' and '/' that LMCache uses as separators.
+            model_name="duet-" + hashlib.sha256(model_fingerprint.encode()).hexdigest()[:16],
             world_size=1,
             local_world_size=1,
             worker_id=0,
@@ -194,7 +196,10 @@ class KVTier:
         )
         self._engine.post_init()  # creates the storage backends
         self._engine.token_database.hash_func = _stable_chunk_hash
+        self._metadata = metadata
         self._backends = set(self._engine.storage_manager.storage_backends)
+        if DISK_BACKEND in self._backends:
+            self._recover_disk_index()
         self._redis_probe = None
         self._redis_up = True
         self._redis_next_check = 0.0
@@ -202,6 +207,47 @@ class KVTier:
             self._redis_probe = _fail_fast_redis(config.redis_url, config.redis_timeout_s)
             self._check_redis(force=True)
         self._closed = False
+
+    def _recover_disk_index(self) -> None:
+        """Re-index chunk files a previous process left in `disk_path`.
+
+        LMCache 0.5.6 writes one file per chunk but keeps its index in memory
+        only, so a restarted replica would ignore its own disk tier. Files are
+        named by their key; only this model's full-chunk files of the expected
+        size are taken, oldest first, up to `disk_bytes`.
+        """
+        from lmcache.utils import CacheEngineKey
+
+        backend = self._engine.storage_manager.storage_backends[DISK_BACKEND]
+        shape = self._metadata.get_shapes(self.config.chunk_size)[0]
+        size = shape.numel() * self.kv.element_size()
+        model = self._metadata.model_name
+        stem = model + "@"
+        try:
+            entries = [e for e in os.scandir(backend.path) if e.name.endswith(".pt")]
+        except OSError as exc:
+            log.warning("KV tier: cannot scan disk tier %s: %s", backend.path, exc)
+            return
+        entries.sort(key=lambda e: e.stat().st_mtime)
+        recovered = 0
+        for e in entries:
+            name = e.name[: -len(".pt")]
+            if not name.startswith(stem) or e.stat().st_size != size:
+                continue
+            if backend.current_cache_size + size > backend.max_cache_size:
+                break
+            try:
+                key = CacheEngineKey.from_string(model + "@" + name[len(stem) :])
+            except ValueError:
+                continue
+            if key.dtype != self.kv.dtype:
+                continue
+            backend.insert_key(key, size, shape, self.kv.dtype, self._engine.fmt)
+            backend.current_cache_size += size
+            backend.usage += size
+            recovered += 1
+        if recovered:
+            log.info("KV tier: re-indexed %d chunks from disk tier %s", recovered, backend.path)
 
     def _tier_on(self, backend: str) -> bool:
         if backend not in self._backends:

@@ -1,0 +1,172 @@
+"""LMCache KV tier over a small paged KV tensor: store, wipe, retrieve elsewhere, bytes equal.
+
+CPU, disk (a fresh tier on the same path = a replica restart) and Redis (a real
+server from scripts/redis.sh on its own port, stopped and restarted by the test).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lmcache", reason="LMCache not installed (see scripts/setup.sh)")
+
+from prefill.kv_tier import KVTier, KVTierConfig  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+L, H, D, BS, NB = 2, 3, 8, 16, 32
+CHUNK = 32  # two blocks
+FP = "test-model|float32|bs16"
+TOKENS = list(range(1000, 1000 + 5 * BS + 3))  # 5 full blocks + a partial one
+SRC_BLOCKS = [3, 7, 1, 9, 4, 5]
+DST_BLOCKS = [20, 21, 22, 23, 24, 25]
+STORED = 4 * BS  # two whole chunks; the fifth block is half a chunk, not stored
+
+torch.set_num_threads(1)
+
+
+def make_kv(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(NB, L, 2, BS, H, D, generator=g).to(dtype)
+
+
+def wait_lookup(tier: KVTier, tokens, expect: int, timeout_s: float = 10.0) -> int:
+    """Stores to disk and Redis are asynchronous inside LMCache."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = tier.lookup(tokens)
+        if found >= expect or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def store_wipe_retrieve(tier: KVTier, kv: torch.Tensor) -> None:
+    kv[DST_BLOCKS] = 0
+    assert tier.store(TOKENS, SRC_BLOCKS, len(TOKENS)) == STORED
+    assert wait_lookup(tier, TOKENS, STORED) == STORED
+    expected = kv[SRC_BLOCKS[:4]].clone()
+    kv[SRC_BLOCKS] = 0
+    assert tier.retrieve(TOKENS, DST_BLOCKS, len(TOKENS)) == STORED
+    assert torch.equal(kv[DST_BLOCKS[:4]], expected)
+    assert not kv[DST_BLOCKS[4:]].any()  # nothing past the stored prefix was written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_tier_roundtrip_bytes_identical(dtype):
+    kv = make_kv(dtype)
+    with KVTier(KVTierConfig(cpu_bytes=64 << 20, chunk_size=CHUNK), kv, FP) as tier:
+        store_wipe_retrieve(tier, kv)
+        assert tier.stats.cpu.hit_tokens == STORED
+        assert tier.stats.cpu.hit_bytes == STORED * L * 2 * H * D * kv.element_size()
+        assert tier.lookup(list(range(7, 7 + 64))) == 0  # other tokens: miss
+
+
+def test_unaligned_retrieve_falls_back_to_slot_copy():
+    # A block table whose prefix is shared with another request: still exact.
+    kv = make_kv()
+    with KVTier(KVTierConfig(cpu_bytes=64 << 20, chunk_size=BS), kv, FP) as tier:
+        assert tier.store(TOKENS, SRC_BLOCKS, 2 * BS) == 2 * BS
+        expected = kv[SRC_BLOCKS[:2]].clone()
+        assert tier.retrieve(TOKENS, DST_BLOCKS, 2 * BS) == 2 * BS
+        assert torch.equal(kv[DST_BLOCKS[:2]], expected)
+
+
+def test_disk_tier_survives_restart(tmp_path):
+    cfg = KVTierConfig(disk_path=str(tmp_path / "kv"), disk_bytes=64 << 20, chunk_size=CHUNK)
+    kv = make_kv()
+    expected = kv[SRC_BLOCKS[:4]].clone()
+    with KVTier(cfg, kv, FP) as tier:
+        tier.store(TOKENS, SRC_BLOCKS, len(TOKENS))
+        assert wait_lookup(tier, TOKENS, STORED) == STORED
+    fresh = torch.zeros_like(kv)  # a restarted replica: new process memory, same disk
+    with KVTier(cfg, fresh, FP) as tier:
+        assert wait_lookup(tier, TOKENS, STORED, timeout_s=2) == STORED
+        assert tier.retrieve(TOKENS, DST_BLOCKS, len(TOKENS)) == STORED
+        assert torch.equal(fresh[DST_BLOCKS[:4]], expected)
+        assert tier.stats.disk.hit_tokens == STORED
+
+
+def test_tiers_keyed_by_model_fingerprint(tmp_path):
+    cfg = KVTierConfig(disk_path=str(tmp_path / "kv"), disk_bytes=64 << 20, chunk_size=CHUNK)
+    with KVTier(cfg, make_kv(), FP) as tier:
+        tier.store(TOKENS, SRC_BLOCKS, len(TOKENS))
+        wait_lookup(tier, TOKENS, STORED)
+    with KVTier(cfg, make_kv(), "another-model") as tier:
+        assert tier.lookup(TOKENS) == 0
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="disk_path"):
+        KVTierConfig(disk_path="/tmp/x")
+    with pytest.raises(ValueError, match="redis_url"):
+        KVTierConfig(redis_url="http://x")
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        KVTier(KVTierConfig(cpu_bytes=1 << 20, chunk_size=24), make_kv(), FP)
+    with pytest.raises(ValueError, match="at least one tier"):
+        KVTier(KVTierConfig(), make_kv(), FP)
+
+
+# Redis: a private server on its own port so stopping it disturbs nobody.
+REDIS_PORT = 6391
+
+
+def _redis_sh(cmd: str, tmp_dir: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DUET_REDIS_PORT=str(REDIS_PORT), DUET_REDIS_DIR=str(tmp_dir))
+    return subprocess.run(
+        [str(REPO / "scripts" / "redis.sh"), cmd], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    r = _redis_sh("start", tmp_path)
+    if r.returncode != 0:
+        pytest.skip(f"Redis could not be started with scripts/redis.sh: {r.stderr.strip()}")
+    yield lambda cmd: _redis_sh(cmd, tmp_path)
+    _redis_sh("stop", tmp_path)
+
+
+def test_redis_tier_roundtrip_shared_between_replicas(redis_server):
+    url = f"redis://127.0.0.1:{REDIS_PORT}/0"
+    cfg = KVTierConfig(redis_url=url, chunk_size=CHUNK)
+    kv1, kv2 = make_kv(), torch.zeros(NB, L, 2, BS, H, D)
+    with KVTier(cfg, kv1, FP) as replica1, KVTier(cfg, kv2, FP) as replica2:
+        replica1.store(TOKENS, SRC_BLOCKS, len(TOKENS))
+        assert wait_lookup(replica2, TOKENS, STORED) == STORED
+        assert replica2.retrieve(TOKENS, DST_BLOCKS, len(TOKENS)) == STORED
+        assert torch.equal(kv2[DST_BLOCKS[:4]], kv1[SRC_BLOCKS[:4]])
+        assert replica2.stats.redis.hit_tokens == STORED
+
+
+def test_redis_down_is_skipped_and_counted_then_recovers(redis_server):
+    url = f"redis://127.0.0.1:{REDIS_PORT}/0"
+    cfg = KVTierConfig(
+        cpu_bytes=64 << 20, redis_url=url, chunk_size=CHUNK, redis_retry_interval_s=0.2, close_timeout_s=3
+    )
+    kv = make_kv()
+    with KVTier(cfg, kv, FP) as tier:
+        assert redis_server("stop").returncode == 0
+        time.sleep(cfg.redis_check_interval_s)  # let the cached "up" expire
+        t0 = time.monotonic()
+        store_wipe_retrieve(tier, kv)  # CPU tier keeps serving
+        assert time.monotonic() - t0 < 5
+        assert tier.stats.redis.skipped > 0 and tier.stats.redis.errors > 0
+        assert tier.stats.cpu.hit_tokens == STORED
+
+        assert redis_server("start").returncode == 0
+        time.sleep(cfg.redis_retry_interval_s)
+        other = list(range(5000, 5000 + 2 * CHUNK))
+        assert tier.store(other, SRC_BLOCKS, len(other)) == 2 * CHUNK
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and tier._engine.lookup(  # Redis itself holds it
+            torch.tensor(other), search_range=["RemoteBackend"]
+        ) < 2 * CHUNK:
+            time.sleep(0.05)
+        assert tier._engine.lookup(torch.tensor(other), search_range=["RemoteBackend"]) == 2 * CHUNK
