@@ -56,7 +56,8 @@ class GenerationResult:
 class Engine:
     """Owns the model, the KV cache, the block pool and the scheduler of one replica."""
 
-    def __init__(self, cfg: EngineConfig | None = None, role: Role = "aggregated"):
+    def __init__(self, cfg: EngineConfig | None = None, role: Role = "aggregated", model: LlamaModel | None = None):
+        """`model` lets several engines (tests, benchmarks) share one set of weights."""
         cfg = cfg or EngineConfig()
         self.cfg = cfg
         self.role = role
@@ -67,13 +68,17 @@ class Engine:
         self.checkpoint = resolve_checkpoint(cfg.model)
         self.tokenizer = load_tokenizer(cfg.model)
 
-        model_cfg, state = load_checkpoint(self.checkpoint, self.dtype)
+        if model is None:
+            model_cfg, state = load_checkpoint(self.checkpoint, self.dtype)
+            model = LlamaModel(model_cfg, state, self.dtype, self.device)
+        model_cfg = model.cfg
+        self.dtype, self.device = model.dtype, model.device
         if cfg.max_model_len > model_cfg.max_position_embeddings:
             raise ConfigError(
                 "max_model_len", f"{cfg.max_model_len} exceeds the model's context {model_cfg.max_position_embeddings}"
             )
         self.model_config = model_cfg
-        self.model = LlamaModel(model_cfg, state, self.dtype, self.device)
+        self.model = model
         self.eos_token_ids = set(model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -307,6 +312,28 @@ class Engine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
         )
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Next-token logits at every position of `token_ids` ([n, vocab], fp32), in one
+        prefill outside the scheduler; for reference checks and prompt logprobs."""
+        self.validate_prompt(token_ids)
+        n = len(token_ids)
+        blocks = self.block_pool.allocate(self.kv_manager.blocks_needed(n))
+        try:
+            table = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            positions = torch.arange(n, device=self.device)
+            meta = AttentionMetadata(
+                table[positions // self.cfg.block_size],
+                positions % self.cfg.block_size,
+                0,
+                None,
+                None,
+                [PrefillChunk(0, n, 0, table)],
+            )
+            ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            return self.model.forward(ids, positions, meta, self.kv_cache.layers, positions)
+        finally:
+            self.block_pool.free(reversed(blocks))
 
     # ------------------------------------------------------------ observability
     def take_kv_events(self) -> list[KVEvent]:

@@ -1,0 +1,26 @@
+# The README's two commands: `make demo` (serve + a short load test) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export RAY_USAGE_STATS_ENABLED := 0
+export HF_HUB_OFFLINE := 1
+export PYTHONHASHSEED := 0
+
+.PHONY: setup demo test test-unit test-integration bench
+
+$(VENV)/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	bash scripts/demo.sh
+
+test: setup
+	bash scripts/test.sh
+
+test-unit: setup
+	$(PY) -m pytest -m unit -q
+
+bench: setup
+	$(VENV)/bin/duet bench engine --json out/bench_engine.json

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Run the whole suite: unit (no Ray), then integration and e2e (local Ray, real servers).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${DUET_VENV:-.venv}
+export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONHASHSEED=0 RAY_AUTH_MODE=disabled
+if [ -x scripts/redis.sh ]; then bash scripts/redis.sh start || echo "redis unavailable: its tests will skip"; fi
+"$VENV/bin/python" -m pytest -m unit -q -p no:cacheprovider
+"$VENV/bin/python" -m pytest -m "integration or e2e" -q -p no:cacheprovider

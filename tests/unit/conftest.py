@@ -1,0 +1,29 @@
+"""One fp32 model per test session; each test builds cheap engines around it."""
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+
+
+@pytest.fixture(scope="session")
+def base_engine() -> Engine:
+    torch.set_num_threads(2)
+    return Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=512))
+
+
+@pytest.fixture
+def make_engine(base_engine):
+    """Engine(**overrides) sharing the session's weights, with a fresh KV pool."""
+
+    def make(role="aggregated", **overrides) -> Engine:
+        cfg = EngineConfig(**{"dtype": "float32", "device": "cpu", "num_kv_blocks": 512, **overrides})
+        return Engine(cfg, role=role, model=base_engine.model)
+
+    return make
+
+
+@pytest.fixture
+def engine(make_engine) -> Engine:
+    return make_engine()
