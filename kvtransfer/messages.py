@@ -39,6 +39,8 @@ class KVHandle:
     fingerprint: LayoutFingerprint
     lease_id: str
     lease_expiry: float
+    # Where the owner listens for Release / Reject (kvtransfer/control.py).
+    control_address: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))

@@ -1,0 +1,148 @@
+"""`AsyncEngine`: drives one `Engine` from a dedicated thread for asyncio callers.
+
+Every mutation (add, abort, import, release) is a command executed on the engine
+thread between steps, so the engine itself needs no locks. Outputs go to one
+asyncio queue per request; a consumer drains everything that is ready at once, so
+tokens produced while it was busy travel together (one streamed item, not many).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from engine.engine import Engine
+from engine.kv_events import KVEvent
+from engine.request import RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    """Owns the engine thread, the command queue and the per-request output queues."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._events: list[KVEvent] = []
+        self._events_lock = threading.Lock()
+        self.stats: dict[str, float] = engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="duet-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        try:
+            while not self._stopped:
+                self._run_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._publish(outputs)
+        except BaseException as e:  # the engine is broken: fail every stream loudly
+            log.exception("engine loop died")
+            self._error = e
+            for loop, q in list(self._streams.values()):
+                loop.call_soon_threadsafe(q.put_nowait, e)
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                loop, q = target
+                loop.call_soon_threadsafe(q.put_nowait, out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+        events = self.engine.take_kv_events()
+        if events:
+            with self._events_lock:
+                self._events.extend(events)
+        self.stats = self.engine.stats()
+
+    # ------------------------------------------------------------ commands
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between steps."""
+        if self._error is not None:
+            raise EngineDead(str(self._error))
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    async def add(self, request_id: str, start: Callable[[], Any]) -> AsyncIterator[list[RequestOutput]]:
+        """Register a stream for `request_id`, run `start` (which adds the request) on
+        the engine thread, then yield batches of outputs until it finishes. Cancelling
+        the iterator aborts the request."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def start_and_register():
+            result = start()
+            self._streams[request_id] = (loop, q)
+            return result
+
+        await self.call(start_and_register)
+        return self._drain(request_id, q)
+
+    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[list[RequestOutput]]:
+        finished = False
+        try:
+            while not finished:
+                batch = [await q.get()]
+                while not q.empty():
+                    batch.append(q.get_nowait())
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        raise EngineDead(str(item))
+                outs: list[RequestOutput] = batch  # type: ignore[assignment]
+                finished = outs[-1].finished
+                yield outs
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        def do():
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        await self.call(do)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        with self._events_lock:
+            events, self._events = self._events, []
+        return events
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)
