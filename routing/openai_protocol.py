@@ -1,0 +1,387 @@
+"""OpenAI API request and response models (pydantic v2), and the mapping of a request
+onto the engine's SamplingParams.
+
+Requests ignore fields they do not know (clients send many). What duet cannot honour
+(`n` > 1, `best_of` > 1, batched prompts, `echo`, `suffix`, `logit_bias`) is a 400
+naming the field, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+
+from engine.sampling_params import InvalidRequest, SamplingParams
+from routing.openai_errors import context_length_exceeded, from_validation_error, invalid_request
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TextContentPart(_Request):
+    type: str
+    text: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(f"only 'text' content parts are supported, got {v!r}")
+        return v
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict[str, str]:
+        # Llama-family templates know no "developer" role; it is OpenAI's new name for system.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.text}
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by chat and completions; extensions (vLLM's names) marked (ext)."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # (ext)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # (ext)
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # (ext)
+    ignore_eos: bool = False  # (ext)
+    include_stop_str_in_output: bool = False  # (ext)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"n={v} is not supported; duet returns exactly one choice (n=1)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except InvalidRequest as e:
+            raise invalid_request(str(e), param=e.field) from e
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    num_prompt_tokens: int | None,
+    max_model_len: int | None,
+    param: str,
+) -> int | None:
+    """`requested`, or the rest of the context when it is None; a 400
+    context_length_exceeded when prompt + completion does not fit."""
+    if num_prompt_tokens is None or max_model_len is None:
+        return requested
+    remaining = max_model_len - num_prompt_tokens
+    if remaining <= 0:
+        raise context_length_exceeded(num_prompt_tokens, None, max_model_len, param)
+    if requested is None:
+        return remaining
+    if requested > remaining:
+        raise context_length_exceeded(num_prompt_tokens, requested, max_model_len, param)
+    return requested
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True  # (ext)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template wants them: role and plain-text content."""
+        return [m.template_dict() for m in self.messages]
+
+    def to_sampling_params(
+        self, num_prompt_tokens: int | None = None, max_model_len: int | None = None
+    ) -> SamplingParams:
+        """Engine SamplingParams. Without max_tokens/max_completion_tokens the completion
+        may use the rest of the context, so pass num_prompt_tokens and max_model_len
+        (given both, an over-long request is a 400 context_length_exceeded)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = resolve_max_tokens(requested, num_prompt_tokens, max_model_len, "messages")
+        if max_tokens is None:
+            raise ValueError("chat request without max_tokens: pass num_prompt_tokens and max_model_len")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens, logprobs)
+
+
+class CompletionRequest(_SamplingRequest):
+    """After validation `prompt` is either text or a non-empty list of token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, str):
+            return v
+        if not v:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v[0], (str, list)):
+            if len(v) > 1:
+                raise ValueError(f"batched prompts are not supported; send one prompt per request (got {len(v)})")
+            v = v[0]
+            if isinstance(v, list) and not v:
+                raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo=true is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(f"best_of={v} is not supported; only 1")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    def to_sampling_params(
+        self, num_prompt_tokens: int | None = None, max_model_len: int | None = None
+    ) -> SamplingParams:
+        """Engine SamplingParams; max_tokens defaults to 16 as in OpenAI. Given
+        num_prompt_tokens and max_model_len, an over-long request is a 400."""
+        requested = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        max_tokens = resolve_max_tokens(requested, num_prompt_tokens, max_model_len, "prompt")
+        return self._sampling(max_tokens, self.logprobs)
+
+
+def parse_request(cls: type[_Request], body: bytes | str) -> Any:
+    """Parse a raw body into `cls`, raising APIError (400) for malformed JSON, a body
+    that is not an object, or invalid fields; for gateways that skip FastAPI's binding."""
+    try:
+        data = json.loads(body) if body else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid_request(f"Invalid JSON in the request body: {e}") from e
+    if not isinstance(data, dict):
+        raise invalid_request("The request body must be a JSON object.")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=max(0, cached_tokens)),
+        )
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Response):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+def _created() -> int:
+    return int(time.time())
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_created)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(_Response):
+    """A chunk's delta; unset fields are left out, as OpenAI does."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionChunkChoice(_Response):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_created)
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    """Also the streamed chunk of /v1/completions (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_created)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+CompletionChunk = CompletionResponse
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_created)
+    owned_by: str = "duet"
+    root: str | None = None
+    max_model_len: int | None = None  # (ext, as vLLM)
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+def make_response_id(kind: Literal["chat", "completion"]) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
