@@ -47,7 +47,7 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def __repr__(self) -> str:
-        return f"APIError({self.status}, {self.message!r}, type={self.type!r}, param={self.param!r}, code={self.code!r})"
+        return f"APIError({self.status}, {self.message!r}, param={self.param!r}, code={self.code!r})"
 
 
 def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None) -> dict:
@@ -109,7 +109,8 @@ def _is_union_tag(part: Any) -> bool:
     to an error's location; a client wants the field path only."""
     if not isinstance(part, str):
         return False
-    return part in _UNION_TAGS or "[" in part or part.startswith(("function-", "tagged-union", "lax-", "json-or-python"))
+    tagged = part.startswith(("function-", "tagged-union", "lax-", "json-or-python"))
+    return part in _UNION_TAGS or "[" in part or tagged
 
 
 def _param_path(loc: tuple | list) -> str | None:

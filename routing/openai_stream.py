@@ -1,0 +1,294 @@
+"""Engine deltas → OpenAI responses: SSE chunks for streaming chat and completions, and
+whole responses for the non-streaming path.
+
+A delta is anything shaped like `engine.request.RequestOutput` (text, new_token_ids,
+finish_reason, counts, logprobs). Serve charges ~0.6 ms per streamed item, so the
+gateway coalesces the deltas that are ready into one SSE event: every builder here
+takes a batch, concatenating text and merging logprobs. Token strings for logprobs
+come from a `token_text(token_id) -> str` callable the gateway owns (the tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from routing.openai_errors import APIError
+from routing.openai_protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    UsageInfo,
+)
+
+SSE_DONE = "data: [DONE]\n\n"
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+TokenText = Callable[[int], str]
+
+
+class Delta(Protocol):
+    text: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: Any  # list[TokenLogprob] | None
+
+
+def token_id_text(token_id: int) -> str:
+    """Fallback token string when no tokenizer is at hand (vLLM's `token_id:N` form)."""
+    return f"token_id:{token_id}"
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """Engine finish reason as OpenAI's: `prefill_done` is not an end for the client."""
+    if reason is None or reason == "prefill_done":
+        return None
+    return str(getattr(reason, "value", reason))
+
+
+@dataclass
+class MergedDelta:
+    """Several deltas of one request as one."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = -1
+    num_output_tokens: int = 0
+
+
+def merge_deltas(deltas: Iterable[Delta]) -> MergedDelta:
+    m = MergedDelta()
+    for d in deltas:
+        m.text += d.text or ""
+        m.token_ids.extend(d.new_token_ids or ())
+        if d.logprobs is not None:
+            m.logprobs = (m.logprobs or []) + list(d.logprobs)
+        reason = openai_finish_reason(d.finish_reason)
+        if reason is not None:
+            m.finish_reason = reason
+        m.num_prompt_tokens = max(m.num_prompt_tokens, d.num_prompt_tokens or 0)
+        if m.num_cached_tokens < 0 and d.num_cached_tokens is not None and d.num_cached_tokens >= 0:
+            m.num_cached_tokens = d.num_cached_tokens
+        m.num_output_tokens = max(m.num_output_tokens, d.num_output_tokens or 0)
+    return m
+
+
+def _lp(x: float) -> float:
+    return max(float(x), _MIN_LOGPROB) if not math.isnan(x) else _MIN_LOGPROB
+
+
+def chat_logprobs(logprobs: Sequence, token_text: TokenText = token_id_text) -> ChatLogprobs:
+    """`{"content": [{token, logprob, bytes, top_logprobs: [...]}]}` from TokenLogprobs."""
+
+    def top(tid: int, lp: float) -> ChatTopLogprob:
+        s = token_text(tid)
+        return ChatTopLogprob(token=s, logprob=_lp(lp), bytes=list(s.encode("utf-8")))
+
+    content = []
+    for t in logprobs:
+        s = token_text(t.token_id)
+        content.append(
+            ChatTokenLogprob(
+                token=s,
+                logprob=_lp(t.logprob),
+                bytes=list(s.encode("utf-8")),
+                top_logprobs=[top(tid, lp) for tid, lp in t.top],
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    logprobs: Sequence, token_text: TokenText = token_id_text, text_offset: int = 0
+) -> CompletionLogprobs:
+    """Legacy `{tokens, token_logprobs, top_logprobs, text_offset}`; `text_offset` is where
+    the first token starts in the completion text. The top dicts hold the top-N plus
+    the sampled token, as vLLM does."""
+    out = CompletionLogprobs()
+    offset = text_offset
+    for t in logprobs:
+        s = token_text(t.token_id)
+        out.tokens.append(s)
+        out.token_logprobs.append(_lp(t.logprob))
+        top = {token_text(tid): _lp(lp) for tid, lp in t.top}
+        top.setdefault(s, _lp(t.logprob))
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(s)
+    return out
+
+
+def sse(obj: BaseModel | dict, **dump: Any) -> str:
+    """One SSE event: `data: {json}\\n\\n`."""
+    if isinstance(obj, BaseModel):
+        payload = obj.model_dump_json(**dump)
+    else:
+        payload = json.dumps(obj, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+def sse_error(err: APIError) -> str:
+    """An error after the stream started (headers already sent with 200): the `openai`
+    client raises APIError on an event carrying `error`."""
+    return sse(err.body())
+
+
+class _Stream:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        *,
+        include_usage: bool = False,
+        logprobs: bool = False,
+        token_text: TokenText = token_id_text,
+        created: int | None = None,
+    ):
+        self.response_id = response_id
+        self.model = model
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.token_text = token_text
+        self.created = created if created is not None else int(time.time())
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = -1
+        self.num_output_tokens = 0
+        self.text_len = 0
+        self.finish_reason: str | None = None
+        self._exclude = None if include_usage else {"usage"}
+
+    def _absorb(self, m: MergedDelta) -> None:
+        self.num_prompt_tokens = max(self.num_prompt_tokens, m.num_prompt_tokens)
+        if self.num_cached_tokens < 0:
+            self.num_cached_tokens = m.num_cached_tokens
+        # Count tokens seen too: a disaggregated request's first token comes from prefill.
+        self.num_output_tokens = max(self.num_output_tokens + len(m.token_ids), m.num_output_tokens)
+        self.text_len += len(m.text)
+        if m.finish_reason is not None:
+            self.finish_reason = m.finish_reason
+
+    @property
+    def usage(self) -> UsageInfo:
+        return UsageInfo.of(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+    def done(self, usage: UsageInfo | None = None) -> str:
+        """The closing events: the usage chunk (choices empty) when include_usage, then
+        `[DONE]`. `usage` overrides the counts gathered from the deltas."""
+        if not self.include_usage:
+            return SSE_DONE
+        return sse(self._usage_chunk(usage or self.usage)) + SSE_DONE
+
+
+class ChatStream(_Stream):
+    """One chat request's chunk builder: the first event carries `role: assistant`."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._sent_role = False
+
+    def chunk(self, deltas: Sequence[Delta]) -> str:
+        """One SSE event for a batch of deltas; "" when it would carry nothing."""
+        m = merge_deltas(deltas)
+        self._absorb(m)
+        if self._sent_role and not m.text and not m.token_ids and m.finish_reason is None:
+            return ""
+        delta = DeltaMessage(content=m.text)
+        if not self._sent_role:
+            delta.role = "assistant"
+            self._sent_role = True
+        lp = chat_logprobs(m.logprobs, self.token_text) if self.logprobs and m.logprobs else None
+        choice = ChatCompletionChunkChoice(delta=delta, logprobs=lp, finish_reason=m.finish_reason)
+        return sse(self._chunk([choice]), exclude=self._exclude)
+
+    def _chunk(self, choices, usage: UsageInfo | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.response_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def _usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
+        return self._chunk([], usage)
+
+
+class CompletionStream(_Stream):
+    """One /v1/completions request's chunk builder (`text_completion` objects)."""
+
+    def chunk(self, deltas: Sequence[Delta]) -> str:
+        m = merge_deltas(deltas)
+        offset = self.text_len
+        self._absorb(m)
+        if not m.text and not m.token_ids and m.finish_reason is None:
+            return ""
+        lp = completion_logprobs(m.logprobs, self.token_text, offset) if self.logprobs and m.logprobs else None
+        choice = CompletionChoice(text=m.text, logprobs=lp, finish_reason=m.finish_reason)
+        return sse(self._chunk([choice]), exclude=self._exclude)
+
+    def _chunk(self, choices, usage: UsageInfo | None = None) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.response_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def _usage_chunk(self, usage: UsageInfo) -> CompletionResponse:
+        return self._chunk([], usage)
+
+
+def _usage(m: MergedDelta) -> UsageInfo:
+    return UsageInfo.of(m.num_prompt_tokens, max(m.num_output_tokens, len(m.token_ids)), m.num_cached_tokens)
+
+
+def build_chat_response(
+    response_id: str,
+    model: str,
+    deltas: Sequence[Delta],
+    *,
+    logprobs: bool = False,
+    token_text: TokenText = token_id_text,
+    created: int | None = None,
+) -> ChatCompletionResponse:
+    """A whole `chat.completion` from all of a request's deltas."""
+    m = merge_deltas(deltas)
+    lp = chat_logprobs(m.logprobs or [], token_text) if logprobs else None
+    choice = ChatCompletionChoice(
+        message=ChatResponseMessage(content=m.text), logprobs=lp, finish_reason=m.finish_reason
+    )
+    return ChatCompletionResponse(
+        id=response_id, created=created or int(time.time()), model=model, choices=[choice], usage=_usage(m)
+    )
+
+
+def build_completion_response(
+    response_id: str,
+    model: str,
+    deltas: Sequence[Delta],
+    *,
+    logprobs: bool = False,
+    token_text: TokenText = token_id_text,
+    created: int | None = None,
+) -> CompletionResponse:
+    """A whole `text_completion` from all of a request's deltas."""
+    m = merge_deltas(deltas)
+    lp = completion_logprobs(m.logprobs or [], token_text) if logprobs else None
+    choice = CompletionChoice(text=m.text, logprobs=lp, finish_reason=m.finish_reason)
+    return CompletionResponse(
+        id=response_id, created=created or int(time.time()), model=model, choices=[choice], usage=_usage(m)
+    )
