@@ -81,6 +81,8 @@ class PrefillResult:
     num_cached_tokens: int
     num_prompt_tokens: int
     first_token_logprobs: Any = None
+    text: str = ""  # the first token's text (stop strings already applied)
+    finish_reason: str | None = None  # set when the request ended at prefill
 
 
 @dataclass(frozen=True)

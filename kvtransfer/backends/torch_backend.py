@@ -21,7 +21,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,8 @@ from kvtransfer.backends.base import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _REQUESTS = "kv/requests"
 # The responder blocks on the request queue this long before re-checking; close()
@@ -177,16 +181,20 @@ class TorchBackend(KVTransferBackend):
                 return pair
             remaining = _remaining(deadline, peer.peer_id)
             pair_id = f"{self._peer_id}/{uuid.uuid4().hex[:8]}"
-            try:
+
+            def connect() -> _Pair:
                 store = dist.TCPStore(
                     peer.host, peer.port, is_master=False, wait_for_workers=False,
                     timeout=datetime.timedelta(seconds=remaining),
                 )
                 store.queue_push(_REQUESTS, pickle.dumps(_Connect(pair_id, remaining)))
                 group = _make_group(store, pair_id, 1, remaining, self.kv.device, self.host)
+                return _Pair(store, group, pair_id, threading.Lock())
+
+            try:
+                pair = _call_with_deadline(connect, deadline, on_late=lambda p: _shutdown(p.group))
             except Exception as exc:
                 raise _classify(exc, peer.peer_id, deadline) from exc
-            pair = _Pair(store, group, pair_id, threading.Lock())
             self._pairs[peer.peer_id] = pair
             return pair
 
@@ -289,6 +297,42 @@ def _make_group(
     # Bind to the advertised address, not whatever the hostname resolves to.
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
+
+
+def _call_with_deadline(fn: Callable[[], T], deadline: float, on_late: Callable[[T], None]) -> T:
+    """Run ``fn`` in a helper thread and stop waiting for it at ``deadline``.
+
+    ``TCPStore``'s client constructor ignores its timeout when the server process
+    accepts the TCP connection but never answers (e.g. it is stopped), so connecting
+    cannot be trusted to return on time. A late result is handed to ``on_late``.
+    """
+    lock = threading.Lock()
+    done = threading.Event()
+    box: dict[str, object] = {}
+    abandoned = False
+
+    def run() -> None:
+        try:
+            outcome = ("result", fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            outcome = ("error", exc)
+        with lock:
+            if not abandoned:
+                box[outcome[0]] = outcome[1]
+                done.set()
+                return
+        if outcome[0] == "result":
+            on_late(outcome[1])
+
+    threading.Thread(target=run, name="kv-torch-connect", daemon=True).start()
+    done.wait(max(0.0, deadline - time.monotonic()))
+    with lock:
+        if not done.is_set():
+            abandoned = True
+            raise TransferTimeout("connecting timed out")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def _shutdown(group: dist.ProcessGroup) -> None:

@@ -1,0 +1,100 @@
+"""Real transfers between two OS processes (no Ray), for every backend."""
+
+import signal
+import time
+
+import pytest
+import torch
+
+from kvtransfer.backends import TransferError, TransferTimeout, make_backend
+from kvtransfer.layout import LayoutMismatch
+from kvtransfer.peer_process import KVSpec, PrefillPeer
+
+pytestmark = pytest.mark.integration
+
+BACKENDS = ["nixl", "torch"]
+REMOTE = [5, 17, 3, 40, 41, 63]
+LOCAL = [0, 9, 10, 2, 50, 1]
+
+
+def spec(dtype="float32"):
+    return KVSpec(num_blocks=64, num_layers=2, block_size=16, num_kv_heads=3, head_dim=64, dtype=dtype)
+
+
+def decode_backend(name, s):
+    kw = {"host": "127.0.0.1"} if name == "torch" else {}
+    b = make_backend(name, "decode", "test-model", **kw)
+    kv = s.zeros()
+    b.register(kv)
+    return b, kv
+
+
+def peer_kw(name):
+    return {"host": "127.0.0.1"} if name == "torch" else {}
+
+
+def as_bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_pull_non_contiguous_blocks_bytes_identical(name, dtype):
+    s = spec(dtype)
+    expected = s.filled(seed=7)
+    with PrefillPeer(name, s, seed=7, **peer_kw(name)) as peer:
+        b, kv = decode_backend(name, s)
+        with b:
+            stats = b.pull(peer.peer_info, REMOTE, LOCAL, timeout_s=20)
+            assert stats.backend == name and stats.num_blocks == len(REMOTE)
+            assert stats.bytes == len(REMOTE) * b.fingerprint.bytes_per_block
+            assert torch.equal(as_bytes(kv[LOCAL]), as_bytes(expected[REMOTE]))
+            untouched = [i for i in range(s.num_blocks) if i not in LOCAL]
+            assert not kv[untouched].any()
+
+            # A warm second pull over the same connection, other blocks.
+            b.pull(peer.peer_info, [0, 63], [63, 0], timeout_s=10)
+            assert torch.equal(as_bytes(kv[[63, 0]]), as_bytes(expected[[0, 63]]))
+            snap = b.metrics.snapshot()
+            assert (snap.transfers, snap.failures, snap.blocks) == (2, 0, len(REMOTE) + 2)
+            assert snap.bytes == snap.blocks * b.fingerprint.bytes_per_block
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_dead_peer_raises_instead_of_hanging(name):
+    s = spec()
+    with PrefillPeer(name, s, **peer_kw(name)) as peer:
+        b, _ = decode_backend(name, s)
+        with b:
+            b.pull(peer.peer_info, [1], [1], timeout_s=20)
+            peer.kill()
+            t0 = time.monotonic()
+            with pytest.raises(TransferError):
+                b.pull(peer.peer_info, [2, 3], [2, 3], timeout_s=5)
+            assert time.monotonic() - t0 < 6
+            assert b.metrics.snapshot().failures == 1
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_unresponsive_peer_times_out(name):
+    """A stopped (not dead) prefill process: the first pull must give up at its timeout."""
+    s = spec()
+    with PrefillPeer(name, s, **peer_kw(name)) as peer:
+        b, _ = decode_backend(name, s)
+        with b:
+            peer.signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                b.pull(peer.peer_info, [1], [1], timeout_s=2)
+            assert time.monotonic() - t0 < 4
+            peer.kill()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_layout_mismatch_is_rejected_before_any_transfer(name):
+    with PrefillPeer(name, spec("bfloat16"), **peer_kw(name)) as peer:
+        b, kv = decode_backend(name, spec("float32"))
+        with b:
+            with pytest.raises(LayoutMismatch, match="dtype"):
+                b.pull(peer.peer_info, [1], [1], timeout_s=5)
+            assert not kv.any()
