@@ -1,0 +1,111 @@
+"""The `duet` command line: serve, generate, bench, plan."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (embedded), a .gguf file, or a HF directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def cmd_generate(args) -> int:
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling_params import InvalidRequest, SamplingParams
+
+    try:
+        sp = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, stop=args.stop or [],
+        )
+        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads))
+        prompt = args.prompt
+        if not args.raw:
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        for out in engine.stream(prompt, sp):
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    except InvalidRequest as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print()
+    return 0
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+    if args.target == "engine":
+        from engine import bench
+
+        p = argparse.ArgumentParser(prog="duet bench engine")
+        _add_engine_args(p)
+        p.add_argument("--json", default=None, help="write the results here")
+        p.add_argument("--prompt-len", type=int, default=32)
+        p.add_argument("--output-len", type=int, default=64)
+        p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+        p.add_argument("--prefill-len", type=int, default=512)
+        p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+        return bench.main(p.parse_args(rest))
+    if args.target == "serve":
+        from loadgen.cli import bench_serve_main
+
+        return bench_serve_main(rest)
+    if args.target == "kv":
+        from kvtransfer.bench import main as kv_main
+
+        return kv_main(rest)
+    raise SystemExit(f"unknown bench target {args.target!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="duet", description="Disaggregated prefill/decode LLM serving on Ray Serve")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate offline with the engine, streaming the text")
+    g.add_argument("prompt")
+    _add_engine_args(g)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+
+    b = sub.add_parser("bench", help="benchmarks: engine | serve | kv", add_help=False)
+    b.add_argument("target", choices=["engine", "serve", "kv"])
+
+    sub.add_parser("plan", help="capacity planner (see `duet plan --help`)", add_help=False)
+
+    from cluster import serve_cli
+
+    serve_cli.add_parser(sub)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd == "bench":
+        return cmd_bench(args, rest)
+    if args.cmd == "plan":
+        from loadgen.cli import plan_main
+
+        return plan_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "generate":
+        return cmd_generate(args)
+    return serve_cli.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""`duet serve`: start (or join) a Ray cluster, deploy, wait for /ready, print the
+URL, and shut everything down cleanly on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+
+from cluster.config import ClusterConfig, ConfigError, load_config
+
+log = logging.getLogger("duet")
+APP_NAME = "duet"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run the cluster: gateway + prefill/decode pools on Ray Serve")
+    p.add_argument("--config", default=None, help="cluster YAML (see deploy/)")
+    p.add_argument("--mode", choices=["disaggregated", "aggregated"], default=None)
+    p.add_argument("--prefill-replicas", type=int, default=None)
+    p.add_argument("--decode-replicas", type=int, default=None)
+    p.add_argument("--replicas", type=int, default=None, help="aggregated pool replicas")
+    p.add_argument("--transfer-backend", choices=["nixl", "torch"], default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+
+
+def config_from_args(args) -> ClusterConfig:
+    return load_config(
+        args.config,
+        {
+            "mode": args.mode,
+            "prefill.replicas": args.prefill_replicas,
+            "decode.replicas": args.decode_replicas,
+            "aggregated.replicas": args.replicas,
+            "transfer.backend": args.transfer_backend,
+            "engine.model": args.model,
+            "engine.dtype": args.dtype,
+            "gateway.host": args.host,
+            "gateway.port": args.port,
+        },
+    )
+
+
+def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float = 300.0) -> str:
+    """Deploy `cfg` and block until /ready answers 200; returns the base URL."""
+    import ray
+    from ray import serve
+
+    from cluster.app import REPLICA_ENV, build_app
+
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, runtime_env={"env_vars": REPLICA_ENV}, logging_level=logging.WARNING)
+        else:
+            cpus = max(os.cpu_count() or 1, int(cfg.required_cpus() + 0.999))
+            ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
+                     runtime_env={"env_vars": REPLICA_ENV})
+    cfg.check_fits(ray.cluster_resources().get("CPU", 0))
+    serve.start(http_options={"host": cfg.gateway.host, "port": cfg.gateway.port})
+    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+    url = f"http://{'127.0.0.1' if cfg.gateway.host == '0.0.0.0' else cfg.gateway.host}:{cfg.gateway.port}"
+    wait_ready(url, ready_timeout)
+    return url
+
+
+def wait_ready(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except Exception as e:
+            last = str(e)
+        time.sleep(1)
+    raise TimeoutError(f"{url}/ready did not answer 200 within {timeout:.0f}s ({last})")
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        print(f"duet serve: invalid config: {e}", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    try:
+        url = start(cfg, args.address, args.ready_timeout)
+    except ConfigError as e:
+        print(f"duet serve: {e}", file=sys.stderr)
+        stop()
+        return 2
+    pools = ", ".join(f"{n} x{p.replicas}" for n, p in cfg.pools().items())
+    print(f"duet is serving {cfg.served_model_name} ({cfg.mode}: {pools}; transfer {cfg.transfer.backend}) "
+          f"at {url}/v1  [ready in {time.monotonic() - t0:.0f}s]", flush=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        while not done.wait(1):
+            pass
+    except KeyboardInterrupt:
+        pass
+    print("shutting down...", flush=True)
+    stop()
+    return 0

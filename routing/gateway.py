@@ -1,0 +1,211 @@
+"""The OpenAI-compatible gateway: FastAPI ingress of the Serve application.
+
+It validates, renders the chat template, tokenizes (off the pools' engine loops),
+checks the context length, and runs the request's pipeline (routing/pipeline.py),
+streaming SSE chunks as output batches arrive. Errors are OpenAI-format JSON with
+the right status; an error after streaming began is sent as a final SSE event.
+"""
+
+
+import asyncio
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+from ray import serve
+
+from cluster.config import ClusterConfig
+from engine.tokenizer import load_tokenizer
+from routing import pipeline
+from routing.metrics import GatewayMetrics
+from routing.openai_errors import APIError, install_error_handlers, internal_error, model_not_found, overloaded
+from routing.openai_errors import invalid_request, not_ready
+from routing.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
+from routing.openai_protocol import make_response_id
+from routing.openai_stream import ChatStream, CompletionStream, build_chat_response, build_completion_response
+from routing.openai_stream import sse_error
+
+log = logging.getLogger(__name__)
+
+app = FastAPI(title="duet", description="OpenAI-compatible gateway of a disaggregated LLM cluster")
+install_error_handlers(app)
+
+
+@serve.deployment(name="gateway")
+@serve.ingress(app)
+class Gateway:
+    """Owns the HTTP surface, the tokenizer and the handles to the pools."""
+
+    def __init__(self, config: dict, prefill=None, decode=None, aggregated=None):
+        self.cfg = ClusterConfig.model_validate(config)
+        self.model_name = self.cfg.served_model_name
+        self.max_model_len = self.cfg.engine.max_model_len
+        self.tokenizer = load_tokenizer(self.cfg.engine.model)
+        self.prefill, self.decode, self.aggregated = prefill, decode, aggregated
+        self.metrics = GatewayMetrics()
+        self.in_flight = 0
+        self._ready = False
+
+    # ------------------------------------------------------------ probes
+    @app.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self):
+        try:
+            await asyncio.wait_for(self._pool_stats(), timeout=5)
+        except Exception as e:
+            err = not_ready(f"pools not ready: {pipeline._short(e)}")
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        self._ready = True
+        return {"status": "ready", "model": self.model_name, "mode": self.cfg.mode}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        try:
+            for pool, stats in (await asyncio.wait_for(self._pool_stats(), timeout=2)).items():
+                self.metrics.observe_pool(pool, stats)
+        except Exception as e:
+            log.warning("pool stats unavailable for /metrics: %s", e)
+        return PlainTextResponse(generate_latest(self.metrics.registry).decode())
+
+    async def _pool_stats(self) -> dict[str, dict]:
+        pools = {"prefill": self.prefill, "decode": self.decode, "aggregated": self.aggregated}
+        out = {}
+        for name, handle in pools.items():
+            if handle is not None:
+                out[name] = await handle.stats.remote()
+        return out
+
+    @app.get("/v1/models")
+    async def models(self):
+        card = ModelCard(id=self.model_name, root=self.cfg.engine.model, max_model_len=self.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    # ------------------------------------------------------------ generation
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
+        self._check_model(req.model)
+        try:
+            text = self.tokenizer.apply_chat_template(req.template_messages(), req.add_generation_prompt)
+        except Exception as e:
+            raise invalid_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
+        ids = await asyncio.to_thread(self.tokenizer.encode, text)
+        sp = req.to_sampling_params(len(ids), self.max_model_len)
+        rid = make_response_id("chat")
+        if req.stream:
+            builder = ChatStream(
+                rid, self.model_name, include_usage=req.include_usage, logprobs=req.logprobs,
+                token_text=self._token_text,
+            )
+            return self._stream("chat", rid, ids, sp, builder)
+        outs = await self._collect("chat", rid, ids, sp)
+        resp = build_chat_response(rid, self.model_name, outs, logprobs=req.logprobs, token_text=self._token_text)
+        return resp.model_dump(exclude_none=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        req: CompletionRequest = parse_request(CompletionRequest, await request.body())
+        self._check_model(req.model)
+        if isinstance(req.prompt, str):
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt)
+        else:
+            ids = list(req.prompt)
+            if max(ids) >= self.tokenizer.vocab_size:
+                raise invalid_request(f"token ids must be < {self.tokenizer.vocab_size}", "prompt")
+        if not ids:
+            raise invalid_request("prompt must not be empty", "prompt")
+        sp = req.to_sampling_params(len(ids), self.max_model_len)
+        rid = make_response_id("completion")
+        logprobs = req.logprobs is not None
+        if req.stream:
+            builder = CompletionStream(
+                rid, self.model_name, include_usage=req.include_usage, logprobs=logprobs, token_text=self._token_text
+            )
+            return self._stream("completions", rid, ids, sp, builder)
+        outs = await self._collect("completions", rid, ids, sp)
+        resp = build_completion_response(rid, self.model_name, outs, logprobs=logprobs, token_text=self._token_text)
+        return resp.model_dump(exclude_none=True)
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model not in (self.model_name, self.cfg.engine.model):
+            raise model_not_found(model)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.convert_ids_to_tokens([token_id])[0]
+
+    def _admit(self) -> None:
+        if self.in_flight >= self.cfg.gateway.max_pending_requests:
+            raise overloaded(f"{self.in_flight} requests in flight; retry later")
+
+    def _run(self, rid, ids, sp, timing):
+        if self.cfg.mode == "aggregated":
+            return pipeline.aggregated(self.aggregated, rid, ids, sp, timing)
+        return pipeline.disaggregated(self.prefill, self.decode, rid, ids, sp, timing)
+
+    async def _observed(self, endpoint: str, rid: str, ids, sp):
+        """The pipeline's batches, with latency metrics and in-flight accounting."""
+        self._admit()
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        timing = pipeline.Timing()
+        last = None
+        n_out = 0
+        status = "error"
+        try:
+            async for outs in self._run(rid, ids, sp, timing):
+                now = time.monotonic()
+                if last is None:
+                    self.metrics.ttft.observe(now - timing.start)
+                    self.metrics.prompt_tokens.inc(outs[0].num_prompt_tokens)
+                    self.metrics.cached_tokens.inc(outs[0].num_cached_tokens)
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                n_out += sum(len(o.new_token_ids) for o in outs)
+                yield outs
+            status = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
+            self.metrics.requests.labels(endpoint, status).inc()
+            self.metrics.output_tokens.inc(n_out)
+            e2e = time.monotonic() - timing.start
+            self.metrics.e2e.observe(e2e)
+            if status == "ok" and n_out > 1 and last is not None:
+                first = e2e - (time.monotonic() - last)
+                self.metrics.tpot.observe(max(0.0, (e2e - first) / (n_out - 1)))
+
+    async def _collect(self, endpoint, rid, ids, sp):
+        outs = []
+        try:
+            async for batch in self._observed(endpoint, rid, ids, sp):
+                outs.extend(batch)
+        except pipeline.UpstreamError as e:
+            raise internal_error(str(e)) from e
+        return outs
+
+    def _stream(self, endpoint, rid, ids, sp, builder) -> StreamingResponse:
+        self._admit()  # a 429 must come before the 200 of a stream
+
+        async def body():
+            try:
+                async for outs in self._observed(endpoint, rid, ids, sp):
+                    chunk = builder.chunk(outs)
+                    if chunk:
+                        yield chunk
+                yield builder.done()
+            except pipeline.UpstreamError as e:
+                yield sse_error(internal_error(str(e)))
+            except APIError as e:
+                yield sse_error(e)
+
+        return StreamingResponse(body(), media_type="text/event-stream")

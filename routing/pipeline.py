@@ -1,0 +1,107 @@
+"""The path of one request behind the gateway, as a stream of output batches.
+
+Disaggregated: prefill → (first token to the client at once) → decode, which
+imports the KV and streams the rest. Aggregated: one pool does both. Whatever ends
+the stream early (client gone, replica dead) is handled here: in-flight Serve calls
+are cancelled, and a lease nobody will pull is rejected so prefill frees it now
+rather than at TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from kvtransfer import control
+from kvtransfer.messages import AbortReason, DecodeRequest, PrefillResult, Reject
+
+log = logging.getLogger(__name__)
+
+
+class UpstreamError(RuntimeError):
+    """A pool failed the request (replica died, import failed): a 5xx for the client."""
+
+
+def _reject(result: PrefillResult, reason: str) -> None:
+    h = result.kv_handle
+    if h is not None and h.control_address is not None:
+        control.send(tuple(h.control_address), Reject(result.request_id, h.lease_id, reason), timeout_s=1.0)
+
+
+@dataclass
+class Timing:
+    """When things happened for one request (monotonic seconds)."""
+
+    start: float = field(default_factory=time.monotonic)
+    prefill_done: float | None = None
+    first_token: float | None = None
+
+
+async def disaggregated(
+    prefill_handle, decode_handle, request_id: str, prompt_ids: list[int], sp: SamplingParams, timing: Timing
+) -> AsyncIterator[list[RequestOutput]]:
+    try:
+        result: PrefillResult = await prefill_handle.prefill.remote(request_id, prompt_ids, sp)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise UpstreamError(f"prefill failed: {_short(e)}") from e
+    timing.prefill_done = time.monotonic()
+    first = [
+        RequestOutput(
+            request_id=request_id,
+            new_token_ids=[result.first_token],
+            text=result.text,
+            finished=result.finish_reason is not None,
+            finish_reason=result.finish_reason,
+            num_prompt_tokens=result.num_prompt_tokens,
+            num_cached_tokens=result.num_cached_tokens,
+            num_output_tokens=1,
+            logprobs=[result.first_token_logprobs] if result.first_token_logprobs else None,
+        )
+    ]
+    if result.kv_handle is None:
+        yield first
+        return
+    decode_started = False
+    try:
+        yield first
+        req = DecodeRequest(request_id, tuple(prompt_ids), result.first_token, sp, result.kv_handle)
+        stream = decode_handle.options(stream=True).generate.remote(req)
+        decode_started = True
+        try:
+            async for outs in stream:
+                yield outs
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        except GeneratorExit:
+            stream.cancel()
+            raise
+        except Exception as e:
+            raise UpstreamError(f"decode failed: {_short(e)}") from e
+    finally:
+        if not decode_started:  # nobody will pull this lease: free it now
+            await asyncio.to_thread(_reject, result, AbortReason.CLIENT_DISCONNECTED.value)
+
+
+async def aggregated(handle, request_id: str, prompt_ids: list[int], sp: SamplingParams, timing: Timing):
+    stream = handle.options(stream=True).generate.remote(request_id, prompt_ids, sp)
+    try:
+        async for outs in stream:
+            yield outs
+    except (asyncio.CancelledError, GeneratorExit):
+        stream.cancel()
+        raise
+    except Exception as e:
+        raise UpstreamError(f"engine failed: {_short(e)}") from e
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"[:500]
