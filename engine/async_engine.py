@@ -89,14 +89,17 @@ class AsyncEngine:
         self.stats = self.engine.stats()
 
     # ------------------------------------------------------------ commands
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the engine thread between steps."""
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between steps; callable from any thread."""
         if self._error is not None:
             raise EngineDead(str(self._error))
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, fut))
         self._wake.set()
-        return await asyncio.wrap_future(fut)
+        return fut
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.submit(fn))
 
     async def add(self, request_id: str, start: Callable[[], Any]) -> AsyncIterator[list[RequestOutput]]:
         """Register a stream for `request_id`, run `start` (which adds the request) on

@@ -181,20 +181,22 @@ class Engine:
         prompt_token_ids: list[int],
         first_token: int,
         sampling: SamplingParams,
-        block_ids: list[int],
+        block_ids: list[int] | None,
         num_cached_tokens: int = 0,
     ) -> None:
         """Join the running batch with the prompt's KV already in `block_ids`; the next
-        step computes the first token's KV and samples the second."""
+        step computes the first token's KV and samples the second. `block_ids=None`
+        means the import failed: recompute the prompt here (counted by the caller)."""
         sampling.validate()
         self.validate_prompt(prompt_token_ids)
         req = Request(request_id, list(prompt_token_ids), sampling)
         req.token_ids.append(first_token)
-        req.block_ids = list(block_ids)
-        req.num_computed_tokens = len(prompt_token_ids)
         req.num_cached_tokens = num_cached_tokens
-        req.status = RequestStatus.RUNNING
-        self.kv_manager.cache_computed_blocks(req)
+        if block_ids is not None:
+            req.block_ids = list(block_ids)
+            req.num_computed_tokens = len(prompt_token_ids)
+            req.status = RequestStatus.RUNNING
+            self.kv_manager.cache_computed_blocks(req)
         self._start(req, context_ids=req.token_ids)
 
     # ------------------------------------------------------------ the step

@@ -1,0 +1,174 @@
+"""`duet bench engine`: offline throughput of our engine against Hugging Face
+transformers `generate` on the same weights and dtype, measured in the same run.
+
+Points: decode at batch 1, 8 and 32 (output tokens/s over the whole generate call,
+`prompt_len`-token prompts, `output_len` forced output tokens), and prefill tokens/s
+for one 512-token prompt. Each figure is the median of `repeats` runs. Ceilings are
+FINDINGS.md's roofline estimates for this CPU (2 cores, Zen 4).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+# FINDINGS.md, "Rough ceilings" (tok/s). Batch 8 is derived: 8x the bandwidth-bound
+# batch-1 ceiling, capped by the compute-bound batch-32 ceiling.
+CEILINGS = {
+    "float32": {"decode_b1": 54, "decode_b8": 432, "decode_b32": 600, "prefill_512": 800},
+    "bfloat16": {"decode_b1": 108, "decode_b8": 864, "decode_b32": 1300, "prefill_512": 1800},
+}
+
+
+@dataclass
+class BenchPoint:
+    name: str
+    batch: int
+    prompt_len: int
+    output_len: int
+    ours_tok_s: float
+    hf_tok_s: float | None
+    ratio: float | None
+    ceiling_tok_s: float | None
+    ours_runs: list[float]
+    hf_runs: list[float]
+
+
+def _prompts(engine: Engine, batch: int, length: int) -> list[list[int]]:
+    base = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog while the band plays on. " * 64)
+    return [base[i : i + length] for i in range(batch)]
+
+
+def _median_rate(fn, tokens: int, repeats: int) -> tuple[float, list[float]]:
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(tokens / (time.perf_counter() - t0))
+    return statistics.median(runs), runs
+
+
+def _load_hf(engine: Engine):
+    from transformers import AutoModelForCausalLM
+
+    ck = engine.checkpoint
+    if ck.kind == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(ck.path.parent), gguf_file=ck.path.name, dtype=engine.dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(ck.path), dtype=engine.dtype)
+    return model.to(engine.device).eval()
+
+
+def run(
+    dtype: str = "auto",
+    device: str = "auto",
+    prompt_len: int = 32,
+    output_len: int = 64,
+    batches: tuple[int, ...] = (1, 8, 32),
+    prefill_len: int = 512,
+    repeats: int = 3,
+    with_hf: bool = True,
+    threads: int | None = None,
+) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
+    engine = Engine(EngineConfig(dtype=dtype, device=device, max_num_batched_tokens=max(prefill_len, 2048)))
+    hf = _load_hf(engine) if with_hf else None
+    dtype_name = str(engine.dtype).removeprefix("torch.")
+    ceilings = CEILINGS.get(dtype_name, {}) if engine.device == "cpu" else {}
+    sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    points: list[BenchPoint] = []
+
+    def point(name, batch, plen, olen, ours_fn, hf_fn, tokens):
+        ours_fn()  # warm-up
+        ours, ours_runs = _median_rate(ours_fn, tokens, repeats)
+        hf_rate, hf_runs = None, []
+        if hf is not None:
+            hf_fn()
+            hf_rate, hf_runs = _median_rate(hf_fn, tokens, repeats)
+        p = BenchPoint(
+            name, batch, plen, olen, ours, hf_rate, ours / hf_rate if hf_rate else None,
+            ceilings.get(name), ours_runs, hf_runs,
+        )
+        points.append(p)
+        print(f"  {name:12s} ours {ours:8.1f} tok/s   hf {hf_rate or 0:8.1f} tok/s", flush=True)
+
+    for batch in batches:
+        prompts = _prompts(engine, batch, prompt_len)
+
+        def ours_fn(prompts=prompts):
+            engine.generate(prompts, sp)
+
+        def hf_fn(prompts=prompts):
+            with torch.inference_mode():
+                hf.generate(
+                    torch.tensor(prompts, device=engine.device),
+                    attention_mask=torch.ones(len(prompts), prompt_len, dtype=torch.long, device=engine.device),
+                    max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                )
+
+        point(f"decode_b{batch}", batch, prompt_len, output_len, ours_fn, hf_fn, batch * output_len)
+
+    long_prompt = _prompts(engine, 1, prefill_len)[0]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.cfg.enable_prefix_caching = False
+    engine.block_pool.enable_caching = False  # every run must compute the whole prompt
+
+    def ours_prefill():
+        engine.generate([long_prompt], one)
+
+    def hf_prefill():
+        with torch.inference_mode():
+            hf(torch.tensor([long_prompt], device=engine.device))
+
+    point(f"prefill_{prefill_len}", 1, prefill_len, 1, ours_prefill, hf_prefill, prefill_len)
+
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": engine.device,
+        },
+        "model": engine.model_id,
+        "dtype": dtype_name,
+        "repeats": repeats,
+        "points": [asdict(p) for p in points],
+    }
+
+
+def print_table(result: dict) -> None:
+    print(f"\nmodel {result['model']}  dtype {result['dtype']}  device {result['machine']['device']}  "
+          f"threads {result['machine']['threads']}  (median of {result['repeats']})")
+    print(f"{'point':14s}{'batch':>6s}{'in':>6s}{'out':>6s}{'ours tok/s':>12s}{'HF tok/s':>10s}{'ratio':>7s}{'ceiling':>9s}")
+    for p in result["points"]:
+        hf = f"{p['hf_tok_s']:.1f}" if p["hf_tok_s"] else "-"
+        ratio = f"{p['ratio']:.2f}" if p["ratio"] else "-"
+        ceil = f"{p['ceiling_tok_s']}" if p["ceiling_tok_s"] else "-"
+        print(f"{p['name']:14s}{p['batch']:6d}{p['prompt_len']:6d}{p['output_len']:6d}"
+              f"{p['ours_tok_s']:12.1f}{hf:>10s}{ratio:>7s}{ceil:>9s}")
+
+
+def main(args) -> int:
+    result = run(
+        dtype=args.dtype, device=args.device, prompt_len=args.prompt_len, output_len=args.output_len,
+        batches=tuple(args.batches), prefill_len=args.prefill_len, repeats=args.repeats,
+        with_hf=not args.no_hf, threads=args.threads,
+    )
+    print_table(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return 0
