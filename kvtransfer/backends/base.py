@@ -9,6 +9,7 @@ on flags, never on backend names.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -168,6 +169,16 @@ class KVTransferBackend(ABC):
             raise
         self.metrics.record(stats)
         return stats
+
+    async def pull_async(
+        self,
+        peer: PeerInfo,
+        remote_block_ids: Sequence[int],
+        local_block_ids: Sequence[int],
+        timeout_s: float,
+    ) -> TransferStats:
+        """``pull`` off the event loop: it blocks (polling or waiting) for up to ``timeout_s``."""
+        return await asyncio.to_thread(self.pull, peer, remote_block_ids, local_block_ids, timeout_s)
 
     @abstractmethod
     def _pull(

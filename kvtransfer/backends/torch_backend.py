@@ -80,14 +80,32 @@ class _Stop:
     pass
 
 
+class _Staging:
+    """A packed-blocks buffer reused across transfers (grown, never shrunk).
+
+    A fresh multi-MB buffer per transfer costs page faults on every copy; reuse is
+    safe because each owner (a decode pair, the responder) runs one transfer at a time.
+    """
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self._kv = kv
+        self._buf = kv.new_empty((0, *kv.shape[1:]))
+
+    def take(self, num_blocks: int) -> torch.Tensor:
+        if self._buf.shape[0] < num_blocks:
+            self._buf = self._kv.new_empty((num_blocks, *self._kv.shape[1:]))
+        return self._buf[:num_blocks]
+
+
 @dataclass
 class _Pair:
-    """Decode-side state for one prefill peer: a store client and a 2-rank group."""
+    """Decode-side state for one prefill peer: a store client, a 2-rank group, a staging buffer."""
 
     store: dist.TCPStore
     group: dist.ProcessGroup
     pair_id: str
     lock: threading.Lock
+    staging: _Staging
     next_tag: int = 0
 
 
@@ -116,6 +134,7 @@ class TorchBackend(KVTransferBackend):
         self._server: dist.TCPStore | None = None
         self._responder: threading.Thread | None = None
         self._serving: dict[str, dist.ProcessGroup] = {}
+        self._send_staging: _Staging | None = None
         self._pairs: dict[str, _Pair] = {}
         self._pairs_lock = threading.Lock()
         self._closed = False
@@ -159,7 +178,7 @@ class TorchBackend(KVTransferBackend):
         self, pair: _Pair, peer_id: str, remote_ids: list[int], local_ids: list[int], deadline: float
     ) -> None:
         kv = self.kv
-        buf = torch.empty((len(remote_ids), *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+        buf = pair.staging.take(len(remote_ids))
         tag = pair.next_tag
         pair.next_tag += 1
         remaining = _remaining(deadline, peer_id)
@@ -189,7 +208,7 @@ class TorchBackend(KVTransferBackend):
                 )
                 store.queue_push(_REQUESTS, pickle.dumps(_Connect(pair_id, remaining)))
                 group = _make_group(store, pair_id, 1, remaining, self.kv.device, self.host)
-                return _Pair(store, group, pair_id, threading.Lock())
+                return _Pair(store, group, pair_id, threading.Lock(), _Staging(self.kv))
 
             try:
                 pair = _call_with_deadline(connect, deadline, on_late=lambda p: _shutdown(p.group))
@@ -214,7 +233,11 @@ class TorchBackend(KVTransferBackend):
         group = self._serving.get(pair_id)
         if group is None:
             raise PeerDisconnected(f"no connected decode for pair {pair_id}")
-        packed = self.kv.index_select(0, torch.as_tensor(block_ids, device=self.kv.device))
+        # Only the responder thread sends, one transfer at a time: one staging buffer.
+        if self._send_staging is None:
+            self._send_staging = _Staging(self.kv)
+        packed = self._send_staging.take(len(block_ids))
+        torch.index_select(self.kv, 0, torch.as_tensor(block_ids, device=self.kv.device), out=packed)
         try:
             group.send([packed], 1, tag).wait(datetime.timedelta(seconds=timeout_s))
         except Exception as exc:
