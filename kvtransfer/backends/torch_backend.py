@@ -137,6 +137,7 @@ class TorchBackend(KVTransferBackend):
         self._send_staging: _Staging | None = None
         self._pairs: dict[str, _Pair] = {}
         self._pairs_lock = threading.Lock()
+        self._connecting: dict[str, threading.Lock] = {}
         self._closed = False
 
     def _register(self, kv: torch.Tensor) -> None:
@@ -194,8 +195,16 @@ class TorchBackend(KVTransferBackend):
         kv.index_copy_(0, torch.as_tensor(local_ids, device=kv.device), buf)
 
     def _connect(self, peer: TorchPeerInfo, deadline: float) -> _Pair:
+        # One lock per peer: connecting to a dead peer takes up to the timeout and
+        # must not hold up pulls from the others.
         with self._pairs_lock:
             pair = self._pairs.get(peer.peer_id)
+            if pair is not None:
+                return pair
+            connecting = self._connecting.setdefault(peer.peer_id, threading.Lock())
+        with connecting:
+            with self._pairs_lock:
+                pair = self._pairs.get(peer.peer_id)
             if pair is not None:
                 return pair
             remaining = _remaining(deadline, peer.peer_id)
@@ -214,7 +223,8 @@ class TorchBackend(KVTransferBackend):
                 pair = _call_with_deadline(connect, deadline, on_late=lambda p: _shutdown(p.group))
             except Exception as exc:
                 raise _classify(exc, peer.peer_id, deadline) from exc
-            self._pairs[peer.peer_id] = pair
+            with self._pairs_lock:
+                self._pairs[peer.peer_id] = pair
             return pair
 
     def forget_peer(self, peer_id: str) -> None:
@@ -303,6 +313,7 @@ class TorchBackend(KVTransferBackend):
         for group in self._serving.values():
             _shutdown(group)
         self._serving.clear()
+        self._server = None  # stops listening once the responder's client is gone
 
 
 def _make_group(

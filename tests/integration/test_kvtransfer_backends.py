@@ -2,6 +2,7 @@
 
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -98,3 +99,19 @@ def test_layout_mismatch_is_rejected_before_any_transfer(name):
             with pytest.raises(LayoutMismatch, match="dtype"):
                 b.pull(peer.peer_info, [1], [1], timeout_s=5)
             assert not kv.any()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_concurrent_pulls_from_one_peer(name):
+    """Decode pulls for several requests at once (asyncio.to_thread); each lands intact."""
+    s = spec()
+    expected = s.filled(seed=3)
+    with PrefillPeer(name, s, seed=3, **peer_kw(name)) as peer:
+        b, kv = decode_backend(name, s)
+        with b:
+            jobs = [(list(range(i, 64, 8)), list(range(63 - i, -1, -8))) for i in range(4)]
+            with ThreadPoolExecutor(4) as pool:
+                stats = list(pool.map(lambda job: b.pull(peer.peer_info, *job, timeout_s=20), jobs))
+            assert [st.num_blocks for st in stats] == [8] * 4
+            for remote, local in jobs:
+                assert torch.equal(as_bytes(kv[local]), as_bytes(expected[remote]))
