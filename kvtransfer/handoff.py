@@ -36,6 +36,7 @@ def export_kv(
     block_ids: Sequence[int],
     num_tokens: int,
     ttl_s: float | None = None,
+    control_address: tuple[str, int] | None = None,
 ) -> KVHandle:
     """Prefill side: lease ``block_ids`` and describe them for a decode replica.
 
@@ -54,6 +55,7 @@ def export_kv(
             fingerprint=backend.fingerprint,
             lease_id=lease.lease_id,
             lease_expiry=lease.expiry,
+            control_address=control_address,
         )
     except Exception:
         leases.reject(lease.lease_id)  # a handle nobody can use must not pin blocks
