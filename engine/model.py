@@ -3,6 +3,9 @@ cache, SwiGLU MLP, optionally tied LM head.
 
 Weights arrive in HF naming from `weights.py`. Q/K/V and gate/up are fused into
 one matmul each: on a CPU the fixed cost per op matters as much as the FLOPs.
+Linear weights are stored transposed, `[in, out]`, and applied as `x @ w`: MKL's
+fp32 GEMM runs up to 2x faster with a non-transposed B on the decode shapes
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -58,27 +61,28 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             return state.pop(name).to(device=device, dtype=dtype).contiguous()
 
+        def take_t(*names: str) -> torch.Tensor:  # fused along `out`, stored [in, out]
+            return torch.cat([state.pop(n) for n in names]).to(device=device, dtype=dtype).t().contiguous()
+
         self.embed = take("model.embed_tokens.weight")
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             self.layers.append(
                 (
                     take(p + "input_layernorm.weight"),
-                    qkv,
-                    take(p + "self_attn.o_proj.weight"),
+                    take_t(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                    take_t(p + "self_attn.o_proj.weight"),
                     take(p + "post_attention_layernorm.weight"),
-                    gate_up,
-                    take(p + "mlp.down_proj.weight"),
+                    take_t(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    take_t(p + "mlp.down_proj.weight"),
                 )
             )
         self.norm = take("model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-            self.lm_head = self.embed
+            self.lm_head = self.embed.t().contiguous()  # a transposed copy: see above
         else:
-            self.lm_head = take("lm_head.weight")
+            self.lm_head = take_t("lm_head.weight")
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -104,7 +108,7 @@ class LlamaModel:
         t = input_ids.shape[0]
         for (ln1, w_qkv, w_o, ln2, w_gate_up, w_down), (k_cache, v_cache) in zip(self.layers, kv_layers):
             x = rms_norm(h, ln1, cfg.rms_norm_eps)
-            qkv = F.linear(x, w_qkv)
+            qkv = x @ w_qkv
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, cfg.num_heads, cfg.head_dim)
             k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -112,9 +116,9 @@ class LlamaModel:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn, w_o)
+            h = h + attn @ w_o
             x = rms_norm(h, ln2, cfg.rms_norm_eps)
-            gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w_down)
+            gate, up = (x @ w_gate_up).chunk(2, dim=-1)
+            h = h + (F.silu(gate) * up) @ w_down
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return (h @ self.lm_head).float()
