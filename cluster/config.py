@@ -59,6 +59,8 @@ class PoolConfig(Strict):
     threads: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(64, ge=1)
     autoscaling: AutoscalingPolicy | None = None
+    # Overrides engine.num_kv_blocks for this pool only (e.g. a small decode pool).
+    num_kv_blocks: int | None = Field(None, ge=2)
 
 
 class TransferConfig(Strict):

@@ -3,6 +3,7 @@ and its identity inside Ray Serve."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -39,7 +40,10 @@ def node_ip() -> str:
 def start_engine(cfg: ClusterConfig, pool: PoolConfig, role: Role) -> AsyncEngine:
     # Ray sets OMP_NUM_THREADS=1 in actors; the pool config decides instead.
     torch.set_num_threads(pool.threads)
-    engine = Engine(cfg.engine.engine_config(pool.threads), role=role)
+    ecfg = cfg.engine.engine_config(pool.threads)
+    if pool.num_kv_blocks is not None:
+        ecfg = dataclasses.replace(ecfg, num_kv_blocks=pool.num_kv_blocks)
+    engine = Engine(ecfg, role=role)
     return AsyncEngine(engine)
 
 
