@@ -65,6 +65,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from kvtransfer.bench import main as kv_main
 
         return kv_main(rest)
+    if args.target == "cluster":
+        from cluster.bench_cluster import main as cluster_main
+
+        return cluster_main(rest)
     raise SystemExit(f"unknown bench target {args.target!r}")
 
 
@@ -84,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
-    b = sub.add_parser("bench", help="benchmarks: engine | serve | kv", add_help=False)
-    b.add_argument("target", choices=["engine", "serve", "kv"])
+    b = sub.add_parser("bench", help="benchmarks: engine | serve | kv | cluster", add_help=False)
+    b.add_argument("target", choices=["engine", "serve", "kv", "cluster"])
 
     sub.add_parser("plan", help="capacity planner (see `duet plan --help`)", add_help=False)
 
