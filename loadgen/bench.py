@@ -13,7 +13,7 @@ from loadgen.prompts import PromptBuilder
 from loadgen.report import point_report, request_rows
 from loadgen.runner import run_point
 from loadgen.tokenizer import TokenizerLike, count_tokens
-from loadgen.workloads import WorkloadSpec, build_sessions
+from loadgen.workloads import WARMUP_VARIANT, WorkloadSpec, build_sessions
 
 
 @dataclass
@@ -30,6 +30,7 @@ class BenchConfig:
     timeout_s: float = 600.0
     api_key: str | None = None
     progress: bool = True
+    same_prompts: bool = False  # every point sends the same prompt words (a warm prefix cache)
     transport: Any = None  # an httpx transport; tests pass an in-process fake server
 
 
@@ -41,8 +42,10 @@ def _first_model(server: dict[str, Any]) -> str | None:
 
 
 async def run_sweep(cfg: BenchConfig, tokenizer: TokenizerLike, log=print) -> list[dict[str, Any]]:
-    """Run every sweep point (the same sessions each time) and return point objects."""
-    sessions = build_sessions(cfg.workload, PromptBuilder(tokenizer))
+    """Run every sweep point and return point objects. Points get the same lengths
+    but, unless `same_prompts`, their own prompt words (see build_sessions)."""
+    builder = PromptBuilder(tokenizer)
+    warmup_sessions = build_sessions(cfg.workload, builder, WARMUP_VARIANT) if cfg.warmup else None
     points = []
     probe = OpenAIClient(cfg.base_url, cfg.model or "", cfg.endpoint, cfg.timeout_s, cfg.api_key,
                          transport=cfg.transport)
@@ -51,16 +54,18 @@ async def run_sweep(cfg: BenchConfig, tokenizer: TokenizerLike, log=print) -> li
     model = cfg.model or _first_model(server)
     if not model:
         raise ValueError(f"--model not given and GET /v1/models at {cfg.base_url} named none: {server}")
-    for arrival in cfg.arrivals:
+    for i, arrival in enumerate(cfg.arrivals):
+        sessions = build_sessions(cfg.workload, builder, 0 if cfg.same_prompts else i)
         # A fresh client per point: no connection state leaks between points.
         async with OpenAIClient(cfg.base_url, model, cfg.endpoint, cfg.timeout_s, cfg.api_key,
                                 transport=cfg.transport) as client:
             run = await run_point(client, sessions, arrival, tokenizer, cfg.workload.ignore_eos,
-                                  cfg.warmup, cfg.progress)
+                                  cfg.warmup, cfg.progress, warmup_sessions)
         metrics, per = compute_metrics(run.results, run.duration_s, lambda t: count_tokens(tokenizer, t), cfg.slo)
         info = {"model": model, "endpoint": cfg.endpoint, "started_at": run.started_at,
-                "warmup_requests": cfg.warmup, "timeout_s": cfg.timeout_s}
-        points.append(point_report(arrival, metrics, request_rows(run.results, per),
+                "warmup_requests": cfg.warmup, "timeout_s": cfg.timeout_s,
+                "prompt_variant": 0 if cfg.same_prompts else i}
+        points.append(point_report(arrival, metrics, request_rows(run.results, per, run.t0),
                                    cfg.workload.describe(), server, info))
         good = "" if metrics.goodput is None else f", goodput {metrics.goodput:.2f} req/s ({metrics.goodput_ratio:.0%})"
         ttft = metrics.ttft_ms["median"]

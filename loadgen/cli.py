@@ -50,6 +50,9 @@ def bench_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ignore-eos", action="store_true", help="force output lengths (sends ignore_eos: true)")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests, excluded from numbers")
     ap.add_argument("--out", default=None, help="directory for results.json, summary.md and PNG plots")
+    ap.add_argument("--same-prompts", action="store_true",
+                    help="send the same prompt words at every sweep point (default: fresh words per point, "
+                         "so a prefix cache cannot serve a point from an earlier one)")
     ap.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: system prompts")
     ap.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens per system prompt")
     ap.add_argument("--share-ratio", type=float, default=1.0, help="shared-prefix: fraction using a shared one")
@@ -77,7 +80,7 @@ def bench_serve_main(argv: list[str]) -> int:
             arrivals = sweep(args.request_rate, args.concurrency, args.burstiness, args.seed)
         cfg = BenchConfig(args.base_url, args.model, args.endpoint, workload, arrivals,
                           parse_goodput(args.goodput), args.warmup, args.timeout, args.api_key,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, same_prompts=args.same_prompts)
     except ValueError as e:
         ap.error(str(e))
     tokenizer = load_tokenizer(args.tokenizer)

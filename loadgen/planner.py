@@ -2,9 +2,11 @@
 the fewest prefill and decode replicas whose simulated goodput meets the target.
 
 Inputs are `duet bench serve` results (report.py point objects):
-- a prefill-heavy sweep (long input, 1 output token): per-request (prompt tokens,
-  TTFT) at the lightest load gives service time a + b * tokens, its intercept
-  corrected for the mean wait an M/G/1 queue per replica predicts at that load;
+- a prefill-heavy sweep (long input, 1 output token): at the lightest load, each
+  request's service time is its TTFT less its queueing, recovered from the send
+  times by Lindley's recursion over FCFS replicas; a + b * tokens is fitted on those
+  (for results without send times, on TTFT, with the intercept corrected for the
+  mean wait an M/G/1 queue per replica predicts at that load);
 - a decode-heavy sweep (short input, long output): per point, the mean batch per
   replica (Little's law: completed req/s x mean decode time / replicas) against
   mean TPOT gives step time c + d * batch.
@@ -12,6 +14,7 @@ Inputs are `duet bench serve` results (report.py point objects):
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +70,37 @@ def _completed(point: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in point["requests"] if r["outcome"] == "completed" and r.get("ttft_ms") is not None]
 
 
+def service_times(rows: list[dict[str, Any]], replicas: int = 1) -> np.ndarray:
+    """Per-request service seconds with the queueing taken out, in `rows` order.
+
+    Lindley's recursion over `replicas` FCFS servers: a request starts when it is
+    sent or when the first replica frees, whichever is later, and is served until
+    its first token. A request that finished before a replica was free by this
+    account (the server batched it with another) gets 0, and the replica stays busy."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i]["start_ms"])
+    free = [-math.inf] * replicas
+    out = np.zeros(len(rows))
+    for i in order:
+        sent = rows[i]["start_ms"] / 1e3
+        done = sent + rows[i]["ttft_ms"] / 1e3
+        start = max(sent, heapq.heappop(free))
+        out[i] = max(0.0, done - start)
+        heapq.heappush(free, max(done, start))
+    return out
+
+
+def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least-squares (a, b) of y = a + b*x with a, b >= 0."""
+    if x.std() < 1.0:  # one prompt length: a and b are not separable; assume a = 0
+        return 0.0, float(y.mean() / x.mean())
+    b, a = (float(v) for v in np.polyfit(x, y, 1))
+    if a < 0:
+        a, b = 0.0, float((x @ y) / (x @ x))
+    if b < 0:
+        a, b = float(y.mean()), 0.0
+    return a, b
+
+
 def fit_prefill(points: list[dict[str, Any]], replicas: int = 1) -> PrefillModel:
     """Service time a + b*tokens from the lightest-loaded point of a prefill sweep."""
     usable = [p for p in points if len(_completed(p)) >= 2]
@@ -75,18 +109,13 @@ def fit_prefill(points: list[dict[str, Any]], replicas: int = 1) -> PrefillModel
     p = min(usable, key=lambda q: q["metrics"]["request_throughput"])
     rows = _completed(p)
     x = np.array([r["prompt_tokens"] for r in rows], float)
+    if all("start_ms" in r for r in rows):
+        return PrefillModel(*_line(x, service_times(rows, replicas)))
     y = np.array([r["ttft_ms"] for r in rows], float) / 1e3
-    if x.std() < 1.0:  # one prompt length: a and b are not separable; assume a = 0
-        a, b = 0.0, float(y.mean() / x.mean())
-    else:
-        b, a = (float(v) for v in np.polyfit(x, y, 1))
-        if a < 0:
-            a, b = 0.0, float((x @ y) / (x @ x))
-        if b < 0:
-            a, b = float(y.mean()), 0.0
-    # The light point still queues a little. In FCFS a request's wait does not depend
-    # on its own length, so the regression's intercept is a + E[W]: remove the M/G/1
-    # mean wait W = lam E[S^2] / (2 (1 - rho)) from it (fixed point, a few steps).
+    a, b = _line(x, y)
+    # Without send times: in FCFS a request's wait does not depend on its own length,
+    # so the regression's intercept is a + E[W]: remove the M/G/1 mean wait
+    # W = lam E[S^2] / (2 (1 - rho)) from it (fixed point, a few steps).
     lam = p["metrics"]["request_throughput"] / replicas
     a_fit, a_true = a, a
     for _ in range(50):

@@ -22,8 +22,10 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1000.0, 3)
 
 
-def request_rows(results: list[RequestResult], per: list[RequestMetrics]) -> list[dict[str, Any]]:
-    """One row per measured request; `per` is in the order of completed results."""
+def request_rows(results: list[RequestResult], per: list[RequestMetrics],
+                 t0: float | None = None) -> list[dict[str, Any]]:
+    """One row per measured request; `per` is in the order of completed results.
+    With `t0` (the point's start), each row has `start_ms`, its send time after it."""
     it = iter(per)
     rows = []
     for r in results:
@@ -31,6 +33,8 @@ def request_rows(results: list[RequestResult], per: list[RequestMetrics]) -> lis
             continue
         row: dict[str, Any] = {"session": r.session_id, "turn": r.turn_index, "outcome": r.outcome.value,
                                "prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens}
+        if t0 is not None:
+            row["start_ms"] = _ms(r.send_time - t0)
         if r.outcome is Outcome.COMPLETED:
             m = next(it)
             row.update(output_tokens=m.output_tokens, ttft_ms=_ms(m.ttft), tpot_ms=_ms(m.tpot), e2el_ms=_ms(m.e2el))

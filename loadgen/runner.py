@@ -28,6 +28,7 @@ class PointRun:
     results: list[RequestResult]
     duration_s: float
     started_at: float  # epoch seconds, for the report
+    t0: float = 0.0  # perf_counter() at the point's start; request send times are relative to it
 
 
 def render(session: Session, k: int, answers: list[str], chat: bool) -> str | list[dict[str, str]]:
@@ -86,11 +87,16 @@ async def run_point(
     ignore_eos: bool = False,
     warmup: int = 0,
     progress: bool = True,
+    warmup_sessions: list[Session] | None = None,
 ) -> PointRun:
-    """Warm up with `warmup` sequential single requests, then run all sessions."""
+    """Warm up with `warmup` sequential single requests, then run all sessions.
+
+    Warm-up prompts come from `warmup_sessions` when given; with the measured
+    sessions themselves, a prefix cache would serve the measured prompts."""
     results: list[RequestResult] = []
+    pool = warmup_sessions or sessions
     for i in range(warmup):
-        s = sessions[i % len(sessions)]
+        s = pool[i % len(pool)]
         await run_session(client, Session(s.session_id, s.turns[:1], s.system_prompt, s.system_prompt_tokens),
                           tokenizer, ignore_eos, results, warmup=True)
 
@@ -117,4 +123,4 @@ async def run_point(
         await asyncio.gather(*(at(float(t), s) for t, s in zip(starts, sessions)))
     duration = time.perf_counter() - t0
     pbar.close()
-    return PointRun(arrival, results, duration, started_at)
+    return PointRun(arrival, results, duration, started_at, t0)

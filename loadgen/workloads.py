@@ -84,30 +84,38 @@ class WorkloadSpec:
         return d
 
 
-def _single_turn(spec: WorkloadSpec, pb: PromptBuilder, rng: np.random.Generator) -> list[Session]:
+# Every builder draws lengths, share decisions and think times from `rng` and prompt
+# words from `text_rng`, so prompt variants (see build_sessions) differ in text only.
+Builder = Callable[[WorkloadSpec, PromptBuilder, np.random.Generator, np.random.Generator], list[Session]]
+
+
+def _single_turn(spec: WorkloadSpec, pb: PromptBuilder, rng: np.random.Generator,
+                 text_rng: np.random.Generator) -> list[Session]:
     ins = spec.input_len.sample(rng, spec.num_prompts)
     outs = spec.output_len.sample(rng, spec.num_prompts)
     return [
-        Session(i, (Turn(pb.text(int(n), rng), int(n), int(o)),))
+        Session(i, (Turn(pb.text(int(n), text_rng), int(n), int(o)),))
         for i, (n, o) in enumerate(zip(ins, outs))
     ]
 
 
-def _shared_prefix(spec: WorkloadSpec, pb: PromptBuilder, rng: np.random.Generator) -> list[Session]:
+def _shared_prefix(spec: WorkloadSpec, pb: PromptBuilder, rng: np.random.Generator,
+                   text_rng: np.random.Generator) -> list[Session]:
     # A shared request draws one of K system prompts; the others get a unique prefix
     # of the same length, so share_ratio changes only the cache hit rate, not the load.
-    prefixes = [pb.text(spec.prefix_len, rng) for _ in range(spec.num_prefixes)]
+    prefixes = [pb.text(spec.prefix_len, text_rng) for _ in range(spec.num_prefixes)]
     sessions = []
-    for s in _single_turn(spec, pb, rng):
+    for s in _single_turn(spec, pb, rng, text_rng):
         if rng.random() < spec.share_ratio:
             system = prefixes[int(rng.integers(0, spec.num_prefixes))]
         else:
-            system = pb.text(spec.prefix_len, rng)
+            system = pb.text(spec.prefix_len, text_rng)
         sessions.append(Session(s.session_id, s.turns, system, spec.prefix_len))
     return sessions
 
 
-def _multi_turn(spec: WorkloadSpec, pb: PromptBuilder, rng: np.random.Generator) -> list[Session]:
+def _multi_turn(spec: WorkloadSpec, pb: PromptBuilder, rng: np.random.Generator,
+                text_rng: np.random.Generator) -> list[Session]:
     sessions, total, sid = [], 0, 0
     while total < spec.num_prompts:
         n_turns = min(int(spec.turns.sample(rng, 1)[0]), spec.num_prompts - total)
@@ -116,7 +124,7 @@ def _multi_turn(spec: WorkloadSpec, pb: PromptBuilder, rng: np.random.Generator)
         think = rng.exponential(spec.think_time_s, n_turns) if spec.think_time_s > 0 else np.zeros(n_turns)
         think[0] = 0.0  # the first turn is timed by the arrival process
         turns = tuple(
-            Turn(pb.text(int(n), rng), int(n), int(o), float(t)) for n, o, t in zip(ins, outs, think)
+            Turn(pb.text(int(n), text_rng), int(n), int(o), float(t)) for n, o, t in zip(ins, outs, think)
         )
         sessions.append(Session(sid, turns))
         total += n_turns
@@ -143,7 +151,8 @@ def _first(row: dict[str, Any], *keys: str) -> Any:
     return next((row[k] for k in keys if k in row), None)
 
 
-def _trace(spec: WorkloadSpec, pb: PromptBuilder, rng: np.random.Generator) -> list[Session]:
+def _trace(spec: WorkloadSpec, pb: PromptBuilder, rng: np.random.Generator,
+           text_rng: np.random.Generator) -> list[Session]:
     rows = load_trace(spec.trace_path)[: spec.num_prompts]
     t0 = min((float(_first(r, "arrival_time", "timestamp") or 0.0) for r in rows), default=0.0)
     sessions = []
@@ -153,7 +162,7 @@ def _trace(spec: WorkloadSpec, pb: PromptBuilder, rng: np.random.Generator) -> l
             n = count_tokens(pb.tokenizer, text)
         else:
             n = int(_first(row, "prompt_tokens", "input_length"))
-            text = pb.text(n, rng)
+            text = pb.text(n, text_rng)
         out = _first(row, "output_tokens", "output_length", "max_tokens")
         out = int(out) if out is not None else int(spec.output_len.sample(rng, 1)[0])
         arrival = float(_first(row, "arrival_time", "timestamp") or 0.0) - t0
@@ -161,7 +170,7 @@ def _trace(spec: WorkloadSpec, pb: PromptBuilder, rng: np.random.Generator) -> l
     return sorted(sessions, key=lambda s: s.arrival_s)
 
 
-_BUILDERS: dict[str, Callable[[WorkloadSpec, PromptBuilder, np.random.Generator], list[Session]]] = {
+_BUILDERS: dict[str, Builder] = {
     "random": _single_turn,
     "long-in-short-out": _single_turn,
     "short-in-long-out": _single_turn,
@@ -171,10 +180,20 @@ _BUILDERS: dict[str, Callable[[WorkloadSpec, PromptBuilder, np.random.Generator]
 }
 
 
-def build_sessions(spec: WorkloadSpec, builder: PromptBuilder) -> list[Session]:
-    """The sessions of a workload; identical for identical (spec, tokenizer)."""
+# The prompt variant of warm-up requests: words no measured request uses.
+WARMUP_VARIANT = 2**31 - 1
+
+
+def build_sessions(spec: WorkloadSpec, builder: PromptBuilder, variant: int = 0) -> list[Session]:
+    """The sessions of a workload; identical for identical (spec, tokenizer, variant).
+
+    Variants share lengths, output budgets and think times, not prompt words:
+    a sweep gives each point its own variant, so a server's prefix cache cannot
+    serve one point's prompts from an earlier point (or from the warm-up). Trace
+    prompts given as text are the same in every variant."""
     rng = np.random.default_rng(spec.seed)
-    return _BUILDERS[spec.kind](spec, builder, rng)
+    text_rng = np.random.default_rng([spec.seed, variant])
+    return _BUILDERS[spec.kind](spec, builder, rng, text_rng)
 
 
 def num_requests(sessions: list[Session]) -> int:

@@ -89,3 +89,15 @@ def test_trace_replay(tmp_path):
     assert [x.arrival_s for x in s] == [0.0, 1.5]
     assert s[0].turns[0].prompt == "hello there world" and s[0].turns[0].prompt_tokens == 3
     assert (s[1].turns[0].prompt_tokens, s[1].turns[0].output_tokens) == (5, 3)
+
+
+@pytest.mark.parametrize("kind", ["random", "shared-prefix", "multi-turn"])
+def test_prompt_variants_differ_in_words_only(kind):
+    spec = WorkloadSpec(kind, num_prompts=12, seed=7, think_time_s=0.5, prefix_len=16, share_ratio=0.5)
+    pb = PromptBuilder(WordTokenizer())
+    a, b = build_sessions(spec, pb, variant=0), build_sessions(spec, pb, variant=1)
+    shape = lambda ss: [(s.system_prompt_tokens, [(t.prompt_tokens, t.output_tokens, t.think_time_s)  # noqa: E731
+                                                 for t in s.turns]) for s in ss]
+    assert shape(a) == shape(b)
+    assert not {t.prompt for s in a for t in s.turns} & {t.prompt for s in b for t in s.turns}
+    assert build_sessions(spec, pb, variant=1) == b

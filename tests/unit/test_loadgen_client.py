@@ -1,5 +1,8 @@
 """The streaming client and a whole sweep against an in-process fake server."""
 
+import json
+
+import httpx
 import pytest
 
 from loadgen.arrivals import ArrivalProcess
@@ -57,3 +60,27 @@ async def test_sweep_point_against_fake_server(arrival):
     # history grows: the second turn's prompt holds turn 1 (5) + its answer (3) + turn 2 (5)
     turn2 = [r for r in point["requests"] if r["turn"] == 1]
     assert turn2 and all(r["prompt_tokens"] == 13 for r in turn2)
+
+
+@pytest.mark.parametrize("same_prompts", [False, True])
+async def test_sweep_points_and_warmup_do_not_share_prompts(same_prompts):
+    """A prefix cache must not serve a point's prompts from the warm-up or an earlier
+    point, unless --same-prompts asks for exactly that."""
+    sent: list[str] = []
+    inner = fake_server()
+
+    async def recording(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/models":
+            sent.append(json.loads(request.content)["prompt"])
+        return await inner.handle_async_request(request)
+
+    wl = WorkloadSpec("random", 4, parse_length("uniform:3:9"), parse_length("2"), seed=5)
+    cfg = BenchConfig("http://fake", None, "completions", wl, [ArrivalProcess(concurrency=1)] * 2,
+                      warmup=1, progress=False, transport=httpx.MockTransport(recording),
+                      same_prompts=same_prompts)
+    points = await run_sweep(cfg, WordTokenizer(), log=lambda *_: None)
+    warm, first, second = sent[0], sent[1:5], sent[6:10]
+    assert sent[5] == warm and warm not in first + second
+    assert (set(first) == set(second)) is same_prompts
+    assert [r["prompt_tokens"] for r in points[0]["requests"]] == [r["prompt_tokens"] for r in points[1]["requests"]]
+    assert all(r["start_ms"] >= 0 for p in points for r in p["requests"])
