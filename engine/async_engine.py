@@ -62,11 +62,15 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(q.put_nowait, e)
 
     def _run_commands(self) -> None:
+        ran = False
         while True:
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
+                if ran:  # a command may change the pool with no step after it (a lease's release)
+                    self.stats = self.engine.stats()
                 return
+            ran = True
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
