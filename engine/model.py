@@ -83,15 +83,17 @@ class LlamaModel:
             self.lm_head = self.embed.t().contiguous()  # a transposed copy: see above
         else:
             self.lm_head = take_t("lm_head.weight")
-        self.inv_freq = rope_inv_freq(cfg).to(device)
+        # cos/sin for every position, computed once (fp32 math, as HF, then cast).
+        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos = emb.cos().to(device=device, dtype=dtype)
+        self.rope_sin = emb.sin().to(device=device, dtype=dtype)
         self.scale = cfg.head_dim**-0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        return self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
 
     @torch.inference_mode()
     def forward(
@@ -109,12 +111,11 @@ class LlamaModel:
         for (ln1, w_qkv, w_o, ln2, w_gate_up, w_down), (k_cache, v_cache) in zip(self.layers, kv_layers):
             x = rms_norm(h, ln1, cfg.rms_norm_eps)
             qkv = x @ w_qkv
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(t, cfg.num_heads, cfg.head_dim)
-            k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            # RoPE on Q and K together: they are adjacent in the fused projection.
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h = h + attn @ w_o
             x = rms_norm(h, ln2, cfg.rms_norm_eps)
