@@ -22,6 +22,7 @@ from engine.config import ConfigError, EngineConfig, Role, resolve_device, resol
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, num_blocks_for
 from engine.kv_cache_manager import KVCacheManager
+from engine.external_kv import ExternalKVCache
 from engine.kv_events import KVEvent
 from engine.model import LlamaModel
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -104,6 +105,16 @@ class Engine:
     def model_fingerprint(self) -> str:
         """Part of every block hash: KV from another model or dtype never matches."""
         return f"{self.checkpoint.model_id}|{str(self.dtype).removeprefix('torch.')}"
+
+    # ------------------------------------------------------------ external KV
+    def attach_external_kv(self, cache: ExternalKVCache | None) -> None:
+        """Consult `cache` after the block pool on admission and give it each
+        completed prompt's KV (engine/external_kv.py). Call between steps."""
+        if cache is not None and cache.chunk_size % self.cfg.block_size:
+            raise ConfigError(
+                "chunk_size", f"{cache.chunk_size} is not a multiple of block_size {self.cfg.block_size}"
+            )
+        self.kv_manager.external = cache
 
     # ------------------------------------------------------------ admission
     def tokenize_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -343,6 +354,7 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         pool = self.block_pool
+        ext = self.kv_manager.external_stats
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -354,6 +366,13 @@ class Engine:
             "prefix_cache_evictions": pool.stats.evictions,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_exported": len(self._exports),
+            "external_kv_lookups": ext.lookups,
+            "external_kv_hit_tokens": ext.hit_tokens,
+            "external_kv_loaded_tokens": ext.loaded_tokens,
+            "external_kv_load_failures": ext.load_failures,
+            "external_kv_errors": ext.errors,
+            "prefix_cache_queried_tokens": pool.stats.queried_tokens,
+            "prefix_cache_hit_tokens": pool.stats.hit_tokens,
         }
 
     # ------------------------------------------------------------ offline use

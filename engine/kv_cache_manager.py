@@ -3,18 +3,61 @@ allocation, caching of newly full blocks, and detaching blocks for a handoff."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 from engine.block_pool import BlockPool
+from engine.external_kv import ExternalKVCache
 from engine.hashing import ROOT_HASH, hash_block
 from engine.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExternalKVStats:
+    """What the external cache (engine/external_kv.py) gave and took."""
+
+    lookups: int = 0
+    hit_tokens: int = 0  # tokens found beyond the block pool's own hit
+    loaded_tokens: int = 0  # of those, tokens really written into blocks
+    load_failures: int = 0  # loads that wrote fewer tokens than the lookup promised
+    stores: int = 0
+    errors: int = 0  # calls that raised; the engine computed instead
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Where a waiting request's KV comes from: pool blocks, then [external_start,
+    external_end) from the external cache, then computed."""
+
+    blocks: list[int]
+    external_start: int = 0
+    external_end: int = 0
+    pool_tokens: int = 0  # the pool's own hit, before any cut-back
+
+    @property
+    def num_external_tokens(self) -> int:
+        return self.external_end - self.external_start
 
 
 class KVCacheManager:
     """Owns the mapping request → block ids; the pool owns the blocks themselves."""
 
-    def __init__(self, pool: BlockPool, block_size: int, model_fingerprint: str):
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        model_fingerprint: str,
+        external: ExternalKVCache | None = None,
+    ):
         self.pool = pool
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
+        self.external = external
+        self.external_stats = ExternalKVStats()
+        if external is not None and external.chunk_size % block_size:
+            raise ValueError(f"external KV chunk_size {external.chunk_size} is not a multiple of block_size {block_size}")
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -34,6 +77,57 @@ class KVCacheManager:
         hit = self.pool.cached_prefix(req.block_hashes[:max_blocks])
         self.pool.record_query(req.num_tokens, len(hit) * self.block_size)
         return hit
+
+    def match_prefix(self, req: Request) -> PrefixMatch:
+        """Own block pool first, then the external cache for a longer prefix.
+
+        An external hit is chunk-aligned, so when it wins, the pool hit is cut back
+        to a chunk boundary and the external cache loads from there: blocks shared
+        with other requests are never written.
+        """
+        blocks = self.computed_blocks(req)
+        ext = self.external
+        if ext is None:
+            return PrefixMatch(blocks)
+        pool_tokens = len(blocks) * self.block_size
+        self.external_stats.lookups += 1
+        try:
+            found = ext.lookup(req.token_ids[: req.num_tokens - 1])
+        except Exception:  # the tier is an optimisation; never fail a request on it
+            log.exception("external KV lookup failed")
+            self.external_stats.errors += 1
+            return PrefixMatch(blocks)
+        if found <= pool_tokens:
+            return PrefixMatch(blocks)
+        start = pool_tokens - pool_tokens % ext.chunk_size
+        return PrefixMatch(blocks[: start // self.block_size], start, found, pool_tokens)
+
+    def load_external(self, req: Request, match: PrefixMatch) -> None:
+        """Fill [external_start, external_end) of the request's fresh blocks; progress
+        stops where the load stopped, and the scheduler computes the rest."""
+        try:
+            end = self.external.load(req.token_ids, req.block_ids, match.external_start, match.external_end)
+        except Exception:
+            log.exception("external KV load failed")
+            self.external_stats.errors += 1
+            end = match.external_start
+        end = max(match.external_start, min(end, match.external_end))
+        self.external_stats.loaded_tokens += end - match.external_start
+        self.external_stats.hit_tokens += max(0, end - match.pool_tokens)
+        if end < match.external_end:
+            self.external_stats.load_failures += 1
+        req.num_computed_tokens = end
+
+    def store_external(self, req: Request) -> None:
+        """The prompt's KV is complete: offer its full chunks to the external cache."""
+        if self.external is None:
+            return
+        self.external_stats.stores += 1
+        try:
+            self.external.store(req.token_ids, req.block_ids, req.num_prompt_tokens)
+        except Exception:
+            log.exception("external KV store failed")
+            self.external_stats.errors += 1
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[int] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens; False (and no change) if the pool

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, PrefixMatch
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -106,10 +106,13 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            computed = self.kv.computed_blocks(req) if req.num_computed_tokens == 0 else []
-            n = min(req.num_tokens - len(computed) * self.kv.block_size, budget)
-            if not self.kv.allocate_slots(req, n, computed):
+            match = self.kv.match_prefix(req) if req.num_computed_tokens == 0 else PrefixMatch([])
+            ready = len(match.blocks) * self.kv.block_size + match.num_external_tokens
+            n = min(req.num_tokens - max(ready, req.num_computed_tokens), budget)
+            if not self.kv.allocate_slots(req, n + match.num_external_tokens, match.blocks):
                 break
+            if match.num_external_tokens:
+                self.kv.load_external(req, match)
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
@@ -142,8 +145,12 @@ class Scheduler:
     def commit(self, out: SchedulerOutput) -> None:
         """Advance progress for everything that ran, and cache newly full blocks."""
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_computed_blocks(s.request)
+            req = s.request
+            before = req.num_computed_tokens
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(req)
+            if before < req.num_prompt_tokens <= req.num_computed_tokens:
+                self.kv.store_external(req)
 
     def finish(self, req: Request, reason: FinishReason, keep_blocks: bool = False) -> list[int]:
         """Remove a request; returns its blocks when `keep_blocks` (prefill export)."""

@@ -1,0 +1,34 @@
+"""The engine's hook to a KV cache beyond its own block pool (e.g. LMCache tiers).
+
+`Engine` consults an `ExternalKVCache` when it admits a request (after its own
+prefix cache) and hands it the prompt's KV when the prompt's prefill completes.
+The engine owns the blocks; the external cache only reads or writes the blocks it
+is passed, during the call, on the engine thread. Implementations live outside
+`engine/` (prefill/kv_tier.py); this file only fixes the contract.
+
+Granularity: an external cache works in chunks of `chunk_size` tokens (a multiple
+of the engine's block size); every hit and every load starts and ends on a chunk
+boundary. Failures are the implementation's to count: `load` returns how many
+tokens it really wrote and the engine computes the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class ExternalKVCache(Protocol):
+    chunk_size: int
+
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        """Leading tokens of `token_ids` whose KV it holds (a multiple of chunk_size)."""
+
+    def load(self, token_ids: Sequence[int], block_ids: Sequence[int], start: int, end: int) -> int:
+        """Write the KV of tokens [start, end) into `block_ids` (the request's block
+        table, position p lives in block_ids[p // block_size]). `start` and `end`
+        are chunk-aligned. Returns `t` such that [start, t) was written."""
+
+    def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> None:
+        """Keep the KV of the leading full chunks of `num_tokens` computed tokens."""

@@ -1,0 +1,154 @@
+"""The engine's external KV hook (engine/external_kv.py) with a fake tier: a hit
+loads KV into fresh blocks and gives the same greedy tokens as a miss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.external_kv import ExternalKVCache
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+CHUNK = 32
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+class FakeTier:
+    """Chunks keyed by their token prefix; shared `chunks` dict = a shared tier."""
+
+    chunk_size = CHUNK
+
+    def __init__(self, kv: torch.Tensor, chunks: dict, block_size: int, fail_load: bool = False):
+        self.kv, self.chunks, self.bs, self.fail_load = kv, chunks, block_size, fail_load
+        self.loads: list[tuple[int, int]] = []
+        self.stores = 0
+
+    def lookup(self, token_ids) -> int:
+        n = 0
+        while n + CHUNK <= len(token_ids) and tuple(token_ids[: n + CHUNK]) in self.chunks:
+            n += CHUNK
+        return n
+
+    def _blocks(self, block_ids, start, end):
+        return torch.tensor(block_ids[start // self.bs : end // self.bs])
+
+    def load(self, token_ids, block_ids, start, end) -> int:
+        self.loads.append((start, end))
+        if self.fail_load:
+            return start
+        for s in range(start, end, CHUNK):
+            self.kv[self._blocks(block_ids, s, s + CHUNK)] = self.chunks[tuple(token_ids[: s + CHUNK])]
+        return end
+
+    def store(self, token_ids, block_ids, num_tokens) -> None:
+        self.stores += 1
+        for s in range(0, num_tokens - num_tokens % CHUNK, CHUNK):
+            self.chunks.setdefault(tuple(token_ids[: s + CHUNK]), self.kv[self._blocks(block_ids, s, s + CHUNK)].clone())
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+
+def run(engine, ids):
+    return engine.generate([ids], GREEDY)[0]
+
+
+def test_fake_tier_satisfies_protocol(make_engine):
+    e = make_engine()
+    assert isinstance(FakeTier(e.kv_cache.data, {}, 16), ExternalKVCache)
+
+
+def test_hit_on_a_fresh_engine_is_exact(make_engine):
+    ids = prompt(100)
+    miss = run(make_engine(), ids)
+    chunks: dict = {}
+    a = make_engine()
+    a.attach_external_kv(FakeTier(a.kv_cache.data, chunks, 16))
+    assert run(a, ids).token_ids == miss.token_ids
+    assert len(chunks) == 3  # 100 prompt tokens → 3 full chunks stored once the prompt is done
+
+    b = make_engine()  # another replica: empty pool, same tier
+    tier_b = FakeTier(b.kv_cache.data, chunks, 16)
+    b.attach_external_kv(tier_b)
+    hit = run(b, ids)
+    assert hit.token_ids == miss.token_ids
+    assert hit.num_cached_tokens == 96
+    assert tier_b.loads == [(0, 96)]
+    s = b.stats()
+    assert s["external_kv_hit_tokens"] == 96 and s["external_kv_loaded_tokens"] == 96
+
+
+def test_lookup_leaves_the_last_token_to_compute(make_engine):
+    ids = prompt(96, seed=1)  # exactly 3 chunks: the last one must not be loaded
+    chunks: dict = {}
+    a = make_engine()
+    a.attach_external_kv(FakeTier(a.kv_cache.data, chunks, 16))
+    miss = run(a, ids)
+    b = make_engine()
+    tier_b = FakeTier(b.kv_cache.data, chunks, 16)
+    b.attach_external_kv(tier_b)
+    hit = run(b, ids)
+    assert tier_b.loads == [(0, 64)]
+    assert hit.token_ids == miss.token_ids and hit.num_cached_tokens == 64
+
+
+def test_pool_hit_is_cut_back_to_a_chunk_boundary(make_engine):
+    shared = prompt(48, seed=2)  # 3 blocks = 1.5 chunks in the pool
+    long = shared + prompt(60, seed=3)
+    miss = run(make_engine(), long)
+    chunks: dict = {}
+    a = make_engine()
+    a.attach_external_kv(FakeTier(a.kv_cache.data, chunks, 16))
+    run(a, long)  # the tier now holds 3 chunks of `long`
+    b = make_engine()
+    tier_b = FakeTier(b.kv_cache.data, {}, 16)
+    b.attach_external_kv(tier_b)
+    run(b, shared)  # b's pool: the 3 blocks of the shared prefix (48 tokens)
+    tier_b.chunks = chunks
+    hit = run(b, long)
+    # The pool held 48 tokens (1.5 chunks): the tier loads from the chunk boundary at
+    # 32 into fresh blocks, never over the pool's shared blocks.
+    assert tier_b.loads == [(32, 96)]
+    assert hit.token_ids == miss.token_ids
+    assert hit.num_cached_tokens == 96
+    assert b.stats()["external_kv_hit_tokens"] == 48  # beyond the pool's own hit
+
+
+def test_failed_load_computes_instead(make_engine):
+    ids = prompt(100, seed=4)
+    chunks: dict = {}
+    a = make_engine()
+    a.attach_external_kv(FakeTier(a.kv_cache.data, chunks, 16))
+    miss = run(a, ids)
+    b = make_engine()
+    b.attach_external_kv(FakeTier(b.kv_cache.data, chunks, 16, fail_load=True))
+    out = run(b, ids)
+    assert out.token_ids == miss.token_ids and out.num_cached_tokens == 0
+    s = b.stats()
+    assert s["external_kv_load_failures"] == 1 and s["external_kv_hit_tokens"] == 0
+
+
+def test_prefill_role_stores_before_export(make_engine):
+    ids = prompt(70, seed=5)
+    chunks: dict = {}
+    e = make_engine(role="prefill")
+    tier = FakeTier(e.kv_cache.data, chunks, 16)
+    e.attach_external_kv(tier)
+    rid = e.add_request(ids, GREEDY)
+    while e.has_unfinished():
+        e.step()
+    export = e.take_export(rid)
+    assert export is not None and tier.stores == 1 and len(chunks) == 2
+    e.release_blocks(export.block_ids)
+
+
+def test_chunk_size_must_be_a_multiple_of_block_size(make_engine):
+    e = make_engine()
+    bad = FakeTier(e.kv_cache.data, {}, 16)
+    bad.chunk_size = 24
+    with pytest.raises(ValueError, match="chunk_size"):
+        e.attach_external_kv(bad)
