@@ -71,11 +71,27 @@ class TransferConfig(Strict):
 
 
 class RouterSection(Strict):
+    """Replica choice for the pools (routing/request_router.py, routing/cost.py)."""
+
+    # kv_aware: prefix- and load-aware routers; default: Serve's power-of-two choices.
+    policy: Literal["kv_aware", "default"] = "kv_aware"
     overlap_weight: float = Field(1.0, ge=0)
+    running_weight: float = Field(1.0, ge=0)
     temperature: float = Field(0.0, ge=0)
     imbalance_threshold: float = Field(64.0, gt=0)
+    session_affinity_bonus: float = Field(8.0, ge=0)
+    decode_kv_weight: float = Field(4.0, ge=0)
     prefix_index: Literal["memory", "redis"] = "memory"
     redis_url: str = "redis://127.0.0.1:6390/0"
+    index_key_prefix: str = "duet:prefix"
+    stats_period_s: float = Field(0.25, gt=0)  # replicas' routing stats (load, KV event log)
+    event_log_max_hashes: int = Field(4096, ge=16)  # memory index: compact the event log past this
+
+    @model_validator(mode="after")
+    def _redis(self):
+        if not self.redis_url.startswith("redis://"):
+            raise ValueError("router.redis_url must start with redis://")
+        return self
 
 
 class CacheSection(Strict):
@@ -86,10 +102,33 @@ class CacheSection(Strict):
     disk_bytes: int = Field(0, ge=0)
     redis_url: str | None = None
     chunk_size: int = Field(256, gt=0)
+    redis_retry_interval_s: float = Field(2.0, gt=0)  # probe a down Redis this often
+    redis_timeout_s: float = Field(0.2, gt=0)
+
+    @model_validator(mode="after")
+    def _tiers(self):
+        if (self.disk_path is None) != (self.disk_bytes == 0):
+            raise ValueError("cache.disk_path and cache.disk_bytes must be set together")
+        if self.redis_url is not None and not self.redis_url.startswith("redis://"):
+            raise ValueError("cache.redis_url must start with redis://")
+        return self
 
     @property
     def enabled(self) -> bool:
         return bool(self.cpu_bytes or (self.disk_path and self.disk_bytes) or self.redis_url)
+
+    def tier_config(self):
+        from prefill.kv_tier import KVTierConfig
+
+        return KVTierConfig(
+            cpu_bytes=self.cpu_bytes,
+            disk_path=self.disk_path,
+            disk_bytes=self.disk_bytes,
+            redis_url=self.redis_url,
+            chunk_size=self.chunk_size,
+            redis_retry_interval_s=self.redis_retry_interval_s,
+            redis_timeout_s=self.redis_timeout_s,
+        )
 
 
 class SLOSection(Strict):

@@ -123,6 +123,15 @@ class DecodeServer:
         async for outs in stream:
             yield outs
 
+    def record_routing_stats(self) -> dict:
+        """Read by Serve every `router.stats_period_s` for the decode router."""
+        s = self.aengine.stats
+        return {
+            "num_running": s["num_running"] + s["num_waiting"],
+            "kv_blocks_free": s["kv_blocks_free"],
+            "kv_blocks_total": s["kv_blocks_total"],
+        }
+
     async def stats(self) -> dict:
         m = self.metrics.snapshot()
         return {

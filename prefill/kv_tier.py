@@ -306,25 +306,37 @@ class KVTier:
             self.stats.lookup_s += time.perf_counter() - t0
             return found
 
-    def retrieve(self, token_ids, block_table, num_tokens: int) -> int:
-        """Load up to `num_tokens` leading tokens' KV into `block_table`'s blocks.
+    @property
+    def chunk_size(self) -> int:
+        return self.config.chunk_size
 
-        Returns how many leading tokens were loaded (a multiple of chunk_size);
-        the caller computes the rest.
+    def retrieve(self, token_ids, block_table, num_tokens: int, start: int = 0) -> int:
+        """Load the KV of tokens [start, num_tokens) into `block_table`'s blocks;
+        the blocks of [0, start) are not written (they may be shared).
+
+        `start` must be a multiple of chunk_size. Returns `t` such that the KV of
+        [start, t) was loaded (t is a multiple of chunk_size, or `start`); the
+        caller computes the rest.
         """
+        if start % self.config.chunk_size:
+            raise ValueError(f"start {start} is not a multiple of chunk_size {self.config.chunk_size}")
+        if num_tokens <= start:
+            return start
         tokens = torch.as_tensor(token_ids[:num_tokens], dtype=torch.long)
+        mask = torch.ones(len(tokens), dtype=torch.bool)
+        mask[:start] = False
         with self._lock:
             self._check_redis()
             per_tier = self._lookup_tiers(tokens)
             t0 = time.perf_counter()
-            mask = self._engine.retrieve(tokens, block_table=_as_table(block_table))
+            ret = self._engine.retrieve(tokens, mask=mask, block_table=_as_table(block_table))
             elapsed = time.perf_counter() - t0
-            loaded = _leading_true(mask)
+            loaded = start + _leading_true(ret[start:])
             self.stats.retrieves += 1
-            self.stats.retrieved_tokens += loaded
+            self.stats.retrieved_tokens += loaded - start
             # Backends are read in order CPU, disk, Redis: attribute each token
             # to the first tier that holds it.
-            covered = 0
+            covered = start
             bytes_per_token = self._bytes_per_token()
             for name, _ in _TIERS:
                 upto = min(per_tier.get(name, 0), loaded)
@@ -332,9 +344,27 @@ class KVTier:
                     t = self.stats.tiers[name]
                     t.hit_tokens += upto - covered
                     t.hit_bytes += (upto - covered) * bytes_per_token
-                    t.retrieve_s += elapsed * (upto - covered) / loaded
+                    t.retrieve_s += elapsed * (upto - covered) / (loaded - start)
                     covered = upto
             return loaded
+
+    # ExternalKVCache (engine/external_kv.py): the engine's view of this tier.
+    def load(self, token_ids, block_ids, start: int, end: int) -> int:
+        return self.retrieve(token_ids, block_ids, end, start)
+
+    def as_dict(self) -> dict:
+        """Flat counters for `stats()` and Prometheus: kv_tier_<tier>_<counter>."""
+        st = self.stats
+        out = {
+            f"kv_tier_{k}": getattr(st, k)
+            for k in ("lookups", "lookup_tokens", "lookup_hit_tokens", "retrieves", "retrieved_tokens",
+                      "stores", "stored_tokens", "stored_bytes", "store_s", "lookup_s")
+        }
+        for name, t in st.tiers.items():
+            for k in ("hit_tokens", "hit_bytes", "retrieve_s", "skipped", "errors"):
+                out[f"kv_tier_{name}_{k}"] = getattr(t, k)
+        out["kv_tier_redis_up"] = int(self._redis_up) if self._redis_probe is not None else None
+        return out
 
     def store(self, token_ids, block_table, num_tokens: int) -> int:
         """Store the KV of the leading full chunks of `num_tokens` tokens.

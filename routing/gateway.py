@@ -103,8 +103,8 @@ class Gateway:
                 rid, self.model_name, include_usage=req.include_usage, logprobs=req.logprobs,
                 token_text=self._token_text,
             )
-            return self._stream("chat", rid, ids, sp, builder)
-        outs = await self._collect("chat", rid, ids, sp)
+            return self._stream("chat", rid, ids, sp, builder, _session(request))
+        outs = await self._collect("chat", rid, ids, sp, _session(request))
         resp = build_chat_response(rid, self.model_name, outs, logprobs=req.logprobs, token_text=self._token_text)
         return resp.model_dump(exclude_none=True)
 
@@ -127,8 +127,8 @@ class Gateway:
             builder = CompletionStream(
                 rid, self.model_name, include_usage=req.include_usage, logprobs=logprobs, token_text=self._token_text
             )
-            return self._stream("completions", rid, ids, sp, builder)
-        outs = await self._collect("completions", rid, ids, sp)
+            return self._stream("completions", rid, ids, sp, builder, _session(request))
+        outs = await self._collect("completions", rid, ids, sp, _session(request))
         resp = build_completion_response(rid, self.model_name, outs, logprobs=logprobs, token_text=self._token_text)
         return resp.model_dump(exclude_none=True)
 
@@ -143,12 +143,12 @@ class Gateway:
         if self.in_flight >= self.cfg.gateway.max_pending_requests:
             raise overloaded(f"{self.in_flight} requests in flight; retry later")
 
-    def _run(self, rid, ids, sp, timing):
+    def _run(self, rid, ids, sp, timing, session=None):
         if self.cfg.mode == "aggregated":
             return pipeline.aggregated(self.aggregated, rid, ids, sp, timing)
-        return pipeline.disaggregated(self.prefill, self.decode, rid, ids, sp, timing)
+        return pipeline.disaggregated(self.prefill, self.decode, rid, ids, sp, timing, session)
 
-    async def _observed(self, endpoint: str, rid: str, ids, sp):
+    async def _observed(self, endpoint: str, rid: str, ids, sp, session=None):
         """The pipeline's batches, with latency metrics and in-flight accounting."""
         self._admit()
         self.in_flight += 1
@@ -158,7 +158,7 @@ class Gateway:
         n_out = 0
         status = "error"
         try:
-            async for outs in self._run(rid, ids, sp, timing):
+            async for outs in self._run(rid, ids, sp, timing, session):
                 now = time.monotonic()
                 if last is None:
                     self.metrics.ttft.observe(now - timing.start)
@@ -184,21 +184,21 @@ class Gateway:
                 first = e2e - (time.monotonic() - last)
                 self.metrics.tpot.observe(max(0.0, (e2e - first) / (n_out - 1)))
 
-    async def _collect(self, endpoint, rid, ids, sp):
+    async def _collect(self, endpoint, rid, ids, sp, session=None):
         outs = []
         try:
-            async for batch in self._observed(endpoint, rid, ids, sp):
+            async for batch in self._observed(endpoint, rid, ids, sp, session):
                 outs.extend(batch)
         except pipeline.UpstreamError as e:
             raise internal_error(str(e)) from e
         return outs
 
-    def _stream(self, endpoint, rid, ids, sp, builder) -> StreamingResponse:
+    def _stream(self, endpoint, rid, ids, sp, builder, session=None) -> StreamingResponse:
         self._admit()  # a 429 must come before the 200 of a stream
 
         async def body():
             try:
-                async for outs in self._observed(endpoint, rid, ids, sp):
+                async for outs in self._observed(endpoint, rid, ids, sp, session):
                     chunk = builder.chunk(outs)
                     if chunk:
                         yield chunk
@@ -209,3 +209,8 @@ class Gateway:
                 yield sse_error(e)
 
         return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _session(request: Request) -> str | None:
+    """`x-session-id`: a session-affinity hint for the prefill router, never a rule."""
+    return request.headers.get("x-session-id") or None

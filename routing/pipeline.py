@@ -43,10 +43,17 @@ class Timing:
 
 
 async def disaggregated(
-    prefill_handle, decode_handle, request_id: str, prompt_ids: list[int], sp: SamplingParams, timing: Timing
+    prefill_handle,
+    decode_handle,
+    request_id: str,
+    prompt_ids: list[int],
+    sp: SamplingParams,
+    timing: Timing,
+    session_id: str | None = None,
 ) -> AsyncIterator[list[RequestOutput]]:
     try:
-        result: PrefillResult = await prefill_handle.prefill.remote(request_id, prompt_ids, sp)
+        # `session_id` is the router's affinity hint (routing/request_router.py).
+        result: PrefillResult = await prefill_handle.prefill.remote(request_id, prompt_ids, sp, session_id=session_id)
     except asyncio.CancelledError:
         raise
     except Exception as e:

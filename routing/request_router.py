@@ -1,0 +1,298 @@
+"""KV-aware Ray Serve request routers for the prefill and decode pools.
+
+`KVAwarePrefillRouter` is set on the prefill deployment (cluster/app.py) through
+``RequestRouterConfig``; Serve instantiates it in every process that holds a
+handle to the pool (the gateway replicas, a test driver). For each pending
+``prefill(request_id, prompt_token_ids, sampling, session_id=None)`` call it
+hashes the prompt (engine/hashing.py, with the pool's model fingerprint), asks the
+prefix index which replica holds the longest leading run, builds a
+`ReplicaSnapshot` per replica and lets the pure policy `routing.cost.choose_prefill`
+decide. This module only gathers the snapshot and applies the decision.
+
+Where the numbers come from
+---------------------------
+- **Load.** Each replica's ``record_routing_stats()`` (queued prefill tokens,
+  running requests, free KV blocks) reaches every router through the Serve
+  controller every ``request_routing_stats_period_s``. That is too stale for a
+  burst, so the router also counts what *it* sent and has not seen complete
+  (`on_request_routed` / `on_request_completed`): tokens still to compute and
+  requests in flight per replica. The snapshot takes the larger of the two, so
+  one router never double-counts its own requests, and several routers still
+  see each other's load through the replica stats.
+- **Cached blocks.** Only from the replicas' KV events (ARCHITECTURE.md: the
+  router never guesses; routing never inserts into the index). Two transports,
+  chosen by ``router.prefix_index``:
+
+  * ``memory`` (default): every replica keeps a sequence-numbered, compacting
+    event log (prefill/kv_event_log.py) and ships it in its routing stats. Each
+    router applies the events after its own cursor to its own in-process index.
+    Nothing is consumed, so any number of gateway replicas can read the same log,
+    and a restarted router replays from the last compaction and is exact again.
+  * ``redis``: each replica applies its *own* events to the shared
+    `RedisPrefixIndex` (one writer per replica, no duplicate or lost consumers);
+    routers only read it. A router restart keeps the whole view.
+
+- **Replica set.** Serve calls `update_replicas` whenever the running set (or a
+  replica's stats) changes. A replica that leaves the set, by death or scale-down,
+  has its index entries removed, its session-affinity entries dropped and its
+  in-flight accounting forgotten. With Redis, a router's first update also removes
+  index entries of replicas that are not running any more (a router that was down
+  when they went away).
+
+Session affinity: the gateway passes ``x-session-id`` as the ``session_id``
+kwarg; the replica the session last used gets a cost bonus (a hint: load and
+the imbalance guard still win).
+
+`KVAwareDecodeRouter` chooses a decode replica by free KV blocks and running
+sequences (`routing.cost.choose_decode`), with the same local in-flight
+correction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from engine.hashing import block_hashes
+from routing.affinity import SessionAffinity
+from routing.cost import ReplicaSnapshot, RouterConfig, choose_decode, choose_prefill
+from routing.prefix_index import InProcessPrefixIndex, PrefixIndex, RedisPrefixIndex
+
+log = logging.getLogger("ray.serve")
+
+
+def replica_key(replica_id: ReplicaID) -> str:
+    """The id a replica publishes its KV events under (cluster/replica.py)."""
+    return f"{replica_id.deployment_id.name}#{replica_id.unique_id}"
+
+
+@dataclass
+class _InFlight:
+    """Requests this router sent to one replica that have not completed."""
+
+    tokens: dict[str, int] = field(default_factory=dict)  # internal id -> tokens to compute
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+
+class _LoadTracking:
+    """Local in-flight accounting shared by both routers (a mixin over RequestRouter)."""
+
+    def _init_tracking(self) -> None:
+        self._inflight: dict[str, _InFlight] = {}
+        self._planned: dict[str, tuple[str, int]] = {}  # internal id -> (replica, tokens)
+        self.decisions: Counter[str] = Counter()
+
+    def _plan(self, pr: PendingRequest, key: str, tokens: int) -> None:
+        self._planned[pr.metadata.internal_request_id] = (key, tokens)
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        rid = pending_request.metadata.internal_request_id
+        key = replica_key(replica_id)
+        planned_key, tokens = self._planned.pop(rid, (key, 0))
+        self._inflight.setdefault(key, _InFlight()).tokens[rid] = tokens if planned_key == key else 0
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self._planned.pop(internal_request_id, None)
+        flight = self._inflight.get(replica_key(replica_id))
+        if flight is not None:
+            flight.tokens.pop(internal_request_id, None)
+
+    def _forget(self, key: str) -> None:
+        self._inflight.pop(key, None)
+
+
+def _stat(replica: RunningReplica, name: str, default=0):
+    value = (replica.routing_stats or {}).get(name)
+    return default if value is None else value
+
+
+class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
+    """Owns one process's view of the prefill pool: prefix index, affinity, in-flight load."""
+
+    def initialize_state(
+        self,
+        block_size: int = 16,
+        model_fingerprint: str = "",
+        overlap_weight: float = 1.0,
+        running_weight: float = 1.0,
+        temperature: float = 0.0,
+        imbalance_threshold: float = 64.0,
+        session_affinity_bonus: float = 8.0,
+        prefix_index: str = "memory",
+        redis_url: str = "redis://127.0.0.1:6390/0",
+        index_key_prefix: str = "duet:prefix",
+        seed: int | None = None,
+    ) -> None:
+        self.config = RouterConfig(
+            block_size=block_size,
+            overlap_weight=overlap_weight,
+            running_weight=running_weight,
+            temperature=temperature,
+            imbalance_threshold=imbalance_threshold,
+            session_affinity_bonus=session_affinity_bonus,
+        )
+        self.model_fingerprint = model_fingerprint
+        self.index_kind = prefix_index
+        self.index: PrefixIndex = (
+            RedisPrefixIndex(redis_url, key_prefix=index_key_prefix) if prefix_index == "redis" else InProcessPrefixIndex()
+        )
+        self.affinity = SessionAffinity()
+        self._rng = random.Random(seed)
+        self._cursors: dict[str, tuple[str, int]] = {}
+        self._known: set[str] = set()
+        self._synced_once = False
+        self._init_tracking()
+
+    # ------------------------------------------------------------ replica set and events
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        try:
+            self._sync(replicas)
+        except Exception:  # never break Serve's update path
+            log.exception("KV-aware router: syncing replicas failed")
+
+    def _sync(self, replicas: list[RunningReplica]) -> None:
+        current = {replica_key(r.replica_id): r for r in replicas}
+        gone = self._known - set(current)
+        if self.index_kind == "redis" and not self._synced_once and current:
+            gone |= self.index.replicas() - set(current)
+        for key in gone:
+            self.remove_replica(key)
+        self._known = set(current)
+        self._synced_once = self._synced_once or bool(current)
+        for key, r in current.items():
+            fp = _stat(r, "model_fingerprint", None)
+            if fp and fp != self.model_fingerprint:
+                if self.model_fingerprint:
+                    log.error("KV-aware router: replica %s reports fingerprint %r, expected %r; using the replica's",
+                              key, fp, self.model_fingerprint)
+                self.model_fingerprint = fp
+            if self.index_kind == "memory":
+                self._apply_log(key, _stat(r, "kv_log", None))
+
+    def _apply_log(self, key: str, window) -> None:
+        from prefill.kv_event_log import events_after
+
+        if window is None:
+            return
+        events, restarted = events_after(window, self._cursors.get(key))
+        if restarted:
+            self.index.remove_replica(key)
+        if events:
+            self.index.apply(key, events)
+        self._cursors[key] = (window.epoch, window.end)
+
+    def remove_replica(self, key: str) -> None:
+        """A replica left the pool: forget its blocks, sessions and load."""
+        self.index.remove_replica(key)
+        self.affinity.remove_replica(key)
+        self._cursors.pop(key, None)
+        self._forget(key)
+        log.info("KV-aware router: replica %s removed from the prefix index", key)
+
+    # ------------------------------------------------------------ the decision
+    def _snapshot(self, key: str, r: RunningReplica) -> ReplicaSnapshot:
+        flight = self._inflight.get(key)
+        local_tokens = flight.num_tokens if flight else 0
+        local_requests = len(flight.tokens) if flight else 0
+        return ReplicaSnapshot(
+            replica_id=key,
+            queued_prefill_tokens=max(int(_stat(r, "queued_prefill_tokens")), local_tokens),
+            running_requests=max(int(_stat(r, "num_running")), local_requests),
+            free_kv_blocks=int(_stat(r, "kv_blocks_free")),
+            total_kv_blocks=int(_stat(r, "kv_blocks_total")),
+        )
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        prompt = _prompt_ids(pending_request)
+        if prompt is None:  # stats(), take_kv_events(), ...: any replica
+            return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
+        hashes = block_hashes(prompt, self.config.block_size, self.model_fingerprint)
+        if self.index_kind == "redis":
+            matched = await asyncio.to_thread(self.index.match, hashes)
+        else:
+            matched = self.index.match(hashes)
+        by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
+        snapshots = [self._snapshot(k, r) for k, r in by_key.items()]
+        session = pending_request.kwargs.get("session_id")
+        decision = choose_prefill(
+            len(prompt), snapshots, matched, self.config, self.affinity.get(session), self._rng
+        )
+        self.decisions[decision.reason] += 1
+        self.affinity.record(session, decision.replica_id)
+        to_compute = len(prompt) - decision.cached_blocks * self.config.block_size
+        self._plan(pending_request, decision.replica_id, to_compute)
+        rest = [r for k, r in by_key.items() if k != decision.replica_id]
+        rest.sort(key=lambda r: self._snapshot(replica_key(r.replica_id), r).queued_prefill_tokens)
+        return [[by_key[decision.replica_id]], *([r] for r in rest)]
+
+
+class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
+    """Chooses a decode replica by free KV blocks and running sequences."""
+
+    def initialize_state(self, block_size: int = 16, decode_kv_weight: float = 4.0, temperature: float = 0.0,
+                         seed: int | None = None) -> None:
+        self.config = RouterConfig(block_size=block_size, decode_kv_weight=decode_kv_weight, temperature=temperature)
+        self._rng = random.Random(seed)
+        self._init_tracking()
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        current = {replica_key(r.replica_id) for r in replicas}
+        for key in set(self._inflight) - current:
+            self._forget(key)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        handle = _kv_handle(pending_request)
+        if handle is None:
+            return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
+        need = -(-handle.num_tokens // self.config.block_size) + 1
+        by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
+        snapshots = []
+        for key, r in by_key.items():
+            flight = self._inflight.get(key)
+            local = len(flight.tokens) if flight else 0
+            local_blocks = flight.num_tokens if flight else 0
+            snapshots.append(
+                ReplicaSnapshot(
+                    replica_id=key,
+                    running_requests=max(int(_stat(r, "num_running")), local),
+                    free_kv_blocks=max(0, int(_stat(r, "kv_blocks_free", 1 << 30)) - local_blocks),
+                    total_kv_blocks=int(_stat(r, "kv_blocks_total")),
+                )
+            )
+        decision = choose_decode(snapshots, self.config, need, self._rng)
+        self.decisions[decision.reason] += 1
+        self._plan(pending_request, decision.replica_id, need)  # tracked in blocks here
+        rest = [r for k, r in by_key.items() if k != decision.replica_id]
+        return [[by_key[decision.replica_id]], *([r] for r in rest)]
+
+
+def _prompt_ids(pr: PendingRequest | None) -> list[int] | None:
+    """The prompt of a `prefill(request_id, prompt_token_ids, sampling)` call."""
+    if pr is None or pr.metadata.call_method != "prefill":
+        return None
+    ids = pr.args[1] if len(pr.args) > 1 else pr.kwargs.get("prompt_token_ids")
+    return list(ids) if ids is not None else None
+
+
+def _kv_handle(pr: PendingRequest | None):
+    if pr is None or pr.metadata.call_method != "generate" or not pr.args:
+        return None
+    return getattr(pr.args[0], "kv_handle", None)
