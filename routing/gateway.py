@@ -34,6 +34,13 @@ app = FastAPI(title="duet", description="OpenAI-compatible gateway of a disaggre
 install_error_handlers(app)
 
 
+# Module helpers the routes call must be defined above the class: `serve.ingress`
+# freezes the FastAPI app (and the globals its routes see) when the class is decorated.
+def _session(request: Request) -> str | None:
+    """`x-session-id`: a session-affinity hint for the prefill router, never a rule."""
+    return request.headers.get("x-session-id") or None
+
+
 @serve.deployment(name="gateway")
 @serve.ingress(app)
 class Gateway:
@@ -209,8 +216,3 @@ class Gateway:
                 yield sse_error(e)
 
         return StreamingResponse(body(), media_type="text/event-stream")
-
-
-def _session(request: Request) -> str | None:
-    """`x-session-id`: a session-affinity hint for the prefill router, never a rule."""
-    return request.headers.get("x-session-id") or None
