@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +92,10 @@ class Engine:
         self.sampler = Sampler()
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._exports: dict[str, ExportedKV] = {}
+        # Called on the engine thread the moment a prefill-role request finishes, so the
+        # owner (prefill/server.py) leases the blocks before any await can be cancelled.
+        # Without it, exports wait in `take_export`.
+        self.on_export: Callable[[ExportedKV], None] | None = None
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self.num_steps = 0
@@ -307,7 +311,11 @@ class Engine:
         export = reason is FinishReason.PREFILL_DONE
         blocks = self.scheduler.finish(req, reason, keep_blocks=export)
         if export:
-            self._exports[req.request_id] = ExportedKV(req.request_id, blocks, req.num_prompt_tokens)
+            export = ExportedKV(req.request_id, blocks, req.num_prompt_tokens)
+            if self.on_export is not None:
+                self.on_export(export)
+            else:
+                self._exports[req.request_id] = export
         detok = self._detoks.pop(req.request_id)
         tail = detok.flush() if reason is not FinishReason.ABORT else ""
         if pending_text is not None:

@@ -57,6 +57,7 @@ class PrefillServer:
         self.backend = make_backend(cfg.transfer.backend, self.replica_id, engine.model_id)
         self.backend.register(engine.kv_cache.data)
         self.leases = LeaseTable(self._free_blocks, default_ttl_s=cfg.transfer.lease_ttl_s)
+        engine.on_export = lambda export: self.leases.grant(export.request_id, export.block_ids)
         self.control = ControlServer(self._on_control)
         self.control_address = (node_ip(), self.control.port)
         self._stop = threading.Event()
@@ -132,15 +133,16 @@ class PrefillServer:
         handle = None
         reason = final.finish_reason
         if reason == "prefill_done":
-            export = await self.aengine.call(lambda: engine.take_export(request_id))
-            lease = self.leases.grant(request_id, export.block_ids)
+            lease = self.leases.lease_for(request_id)  # granted on the engine thread at finish
+            if lease is None:
+                raise RuntimeError(f"{request_id}: prefill finished but holds no lease")
             handle = KVHandle(
                 request_id=request_id,
                 prefill_replica_id=self.replica_id,
                 backend=self.backend.name,
                 peer=self.backend.peer_info(),
-                block_ids=tuple(export.block_ids),
-                num_tokens=export.num_tokens,
+                block_ids=lease.block_ids,
+                num_tokens=final.num_prompt_tokens,
                 fingerprint=self.backend.fingerprint,
                 lease_id=lease.lease_id,
                 lease_expiry=lease.expiry,
