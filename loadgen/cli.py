@@ -119,6 +119,8 @@ def plan_parser() -> argparse.ArgumentParser:
     ap.add_argument("--validate-rate", type=float, default=None, help="default: target scaled to local replicas")
     ap.add_argument("--validate-prefill-replicas", type=int, default=None, help="default: measured")
     ap.add_argument("--validate-decode-replicas", type=int, default=None, help="default: measured")
+    ap.add_argument("--validate-out", default=None, help="directory for the validation run's results.json, "
+                                                         "summary.md and plots")
     _add_server_args(ap)
     return ap
 
@@ -159,6 +161,10 @@ def plan_main(argv: list[str]) -> int:
             return 1
         print(format_comparison(v))
         result["validation"] = {k: v[k] for k in v if k != "measured_point"}
+        if args.validate_out:
+            out, point = Path(args.validate_out), [v["measured_point"]]
+            paths = [write_json(point, out), write_markdown(point, out), *write_plots(point, out)]
+            print("wrote " + ", ".join(str(p) for p in paths))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1, default=float))
