@@ -1,0 +1,107 @@
+"""What the integration tests share about a deployed duet app: the configs they
+run against, a handle on the app, and polling helpers (no fixed sleeps)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cluster.config import ClusterConfig, load_config
+
+APP_NAME = "duet"
+PORT = 8765
+BLOCK_SIZE = 16
+NUM_KV_BLOCKS = 256
+# SmolLM2-135M fp32: layers x (K, V) x block_size x kv_heads x head_dim x 4 bytes.
+BYTES_PER_BLOCK = 30 * 2 * BLOCK_SIZE * 3 * 64 * 4
+
+BASE = {
+    "engine.dtype": "float32",
+    "engine.device": "cpu",
+    "engine.num_kv_blocks": NUM_KV_BLOCKS,
+    "engine.max_model_len": 1024,
+    "prefill.threads": 1,
+    "decode.threads": 1,
+    "aggregated.threads": 1,
+    "gateway.port": PORT,
+}
+
+# In deploy order; tests of one config run together.
+CLUSTERS: dict[str, dict] = {
+    "nixl": {},
+    "torch": {"transfer.backend": "torch"},
+    "aggregated": {"mode": "aggregated"},
+    # Short leases (TTL path) and a decode pool too small for long prompts (reject path).
+    "small": {"transfer.lease_ttl_s": 2.0, "decode.num_kv_blocks": 4},
+}
+
+
+def cluster_config(name: str) -> ClusterConfig:
+    return load_config(None, {**BASE, **CLUSTERS[name]})
+
+
+@dataclass
+class Duet:
+    """A deployed duet app: its config, URL and Serve handles."""
+
+    name: str
+    cfg: ClusterConfig
+    url: str
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def handle(self, deployment: str):
+        from ray import serve
+
+        return serve.get_deployment_handle(deployment, app_name=APP_NAME)
+
+    def stats(self, deployment: str) -> dict:
+        return self.handle(deployment).stats.remote().result(timeout_s=30)
+
+    def pool_names(self) -> list[str]:
+        return list(self.cfg.pools())
+
+
+def wait_for(pred: Callable[[], object], timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
+    """Poll ``pred`` until it returns a truthy value; fail naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = pred()
+        except Exception as e:  # a replica being replaced
+            last = e
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def blocks_for(num_tokens: int) -> int:
+    return math.ceil(num_tokens / BLOCK_SIZE)
+
+
+def wait_idle(duet: Duet, timeout: float = 20.0) -> None:
+    """Every pool back at baseline: no leases, nothing running, every KV block free
+    (cached prefix blocks count as free: they are evictable)."""
+    seen: dict = {}
+
+    def idle() -> bool:
+        ok = True
+        for pool in duet.pool_names():
+            s = seen[pool] = duet.stats(pool)
+            ok &= s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+            ok &= s.get("leases_active", 0) == 0
+        return ok
+
+    try:
+        wait_for(idle, timeout, what="every pool idle with all KV blocks free")
+    except AssertionError as e:
+        keys = ("num_running", "num_waiting", "kv_blocks_free", "kv_blocks_total", "leases_active")
+        detail = {p: {k: s.get(k) for k in keys} for p, s in seen.items()}
+        raise AssertionError(f"{e}; last stats: {detail}") from None

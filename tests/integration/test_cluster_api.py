@@ -1,0 +1,179 @@
+"""The OpenAI API of a real duet cluster, through the official `openai` client.
+
+Greedy fp32 output must equal the single-process engine's, in both modes and with
+both transfer backends; bad input gets an OpenAI-style 4xx and the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from engine.weights import SMOLLM2_ID
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 24
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The three primary colors are"
+SETUPS = [
+    pytest.param("nixl", marks=pytest.mark.cluster("nixl"), id="disagg-nixl"),
+    pytest.param("torch", marks=pytest.mark.cluster("torch"), id="disagg-torch"),
+    pytest.param("aggregated", marks=pytest.mark.cluster("aggregated"), id="aggregated"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, tuple[str, int, str]]:
+    """(text, completion tokens, finish reason) of the single-process fp32 engine."""
+    torch.set_num_threads(2)
+    engine = Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=1024))
+    chat_text = engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    prompts = {"chat": engine.tokenizer.encode(chat_text), "completion": engine.tokenizer.encode(PROMPT)}
+    out = {}
+    for kind, ids in prompts.items():
+        (res,) = engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+        out[kind] = (res.text, len(res.token_ids), res.finish_reason)
+    del engine
+    torch.set_num_threads(1)
+    return out
+
+
+def client(duet, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=duet.base_url, api_key="unused", max_retries=0, timeout=kw.pop("timeout", 120), **kw)
+
+
+def run_chat(c: openai.OpenAI, stream: bool):
+    if not stream:
+        r = c.chat.completions.create(model=SMOLLM2_ID, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
+    text, finish, usage = "", None, None
+    for chunk in c.chat.completions.create(
+        model=SMOLLM2_ID, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    return text, finish, usage
+
+
+def run_completion(c: openai.OpenAI, stream: bool):
+    if not stream:
+        r = c.completions.create(model=SMOLLM2_ID, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage
+    text, finish, usage = "", None, None
+    for chunk in c.completions.create(
+        model=SMOLLM2_ID, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.text or ""
+            finish = ch.finish_reason or finish
+    return text, finish, usage
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_greedy_output_matches_single_process_engine(duet, reference, setup, kind, stream):
+    assert duet.name == setup
+    run = run_chat if kind == "chat" else run_completion
+    text, finish, usage = run(client(duet), stream)
+    ref_text, ref_tokens, ref_finish = reference[kind]
+    assert text == ref_text
+    assert finish == ref_finish
+    assert usage is not None
+    assert usage.completion_tokens == ref_tokens
+    assert usage.prompt_tokens > 0 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens is not None
+    assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+
+
+# ---------------------------------------------------------------- probes
+
+
+@pytest.mark.cluster("nixl")
+def test_probes_and_models(duet):
+    with httpx.Client(base_url=duet.url, timeout=30) as h:
+        assert h.get("/health").status_code == 200
+        r = h.get("/ready")
+        assert r.status_code == 200 and r.json()["status"] == "ready"
+        models = client(duet).models.list()
+        assert [m.id for m in models.data] == [SMOLLM2_ID]
+        metrics = h.get("/metrics")
+        assert metrics.status_code == 200
+        body = metrics.text
+        for pool in ("prefill", "decode"):
+            assert f'duet_pool_stat{{pool="{pool}"' in body
+        assert 'stat="kv_blocks_free"' in body
+        assert "duet_ttft_seconds" in body
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert "type" in err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+BAD_REQUESTS = [
+    ("/v1/chat/completions", {"model": SMOLLM2_ID}, 400),  # no messages
+    ("/v1/chat/completions", {"model": SMOLLM2_ID, "messages": "hello"}, 400),
+    ("/v1/chat/completions", {"model": SMOLLM2_ID, "messages": CHAT, "temperature": "hot"}, 400),
+    ("/v1/chat/completions", {"model": SMOLLM2_ID, "messages": CHAT, "max_tokens": -5}, 400),
+    ("/v1/chat/completions", {"model": SMOLLM2_ID, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("/v1/completions", {"model": SMOLLM2_ID, "prompt": 42}, 400),
+    ("/v1/completions", {"model": SMOLLM2_ID, "prompt": PROMPT, "max_tokens": 0}, 400),
+    ("/v1/completions", {"model": SMOLLM2_ID, "prompt": PROMPT, "n": 2}, 400),
+    ("/v1/chat/completions", {"model": SMOLLM2_ID, "messages": CHAT, "n": 3}, 400),
+    ("/v1/chat/completions", {"model": "gpt-17", "messages": CHAT}, 404),
+]
+
+
+@pytest.mark.cluster("nixl")
+def test_bad_input_gets_openai_errors_and_server_keeps_serving(duet):
+    with httpx.Client(base_url=duet.url, timeout=30) as h:
+        r = h.post("/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"})
+        assert_openai_error(r, 400)
+        r = h.post("/v1/completions", content=b"not json at all")
+        assert_openai_error(r, 400)
+        for path, body, status in BAD_REQUESTS:
+            assert_openai_error(h.post(path, json=body), status)
+        long_prompt = "hello " * 1100
+        r = h.post("/v1/completions", json={"model": SMOLLM2_ID, "prompt": long_prompt, "max_tokens": 4})
+        assert_openai_error(r, 400, "context_length_exceeded")
+        r = h.post("/v1/chat/completions", json={"model": SMOLLM2_ID, "messages": [{"role": "user", "content": long_prompt}]})
+        assert_openai_error(r, 400, "context_length_exceeded")
+        r = h.post("/v1/completions", json={"model": SMOLLM2_ID, "prompt": [1, 2, 10**9]})
+        assert_openai_error(r, 400)
+
+    c = client(duet)
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOLLM2_ID, messages=CHAT, max_tokens=2, n=2)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=SMOLLM2_ID, prompt=PROMPT, max_tokens=-1)
+
+    # Still serving, and nothing leaked by the rejected requests.
+    r = c.completions.create(model=SMOLLM2_ID, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    assert duet.stats("prefill")["leases_active"] == 0

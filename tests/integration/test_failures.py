@@ -1,0 +1,169 @@
+"""Failure paths on a real cluster: client disconnects, many concurrent streams, and
+replicas killed mid-request. Nothing hangs and no KV block leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+import ray
+from duet_cluster import APP_NAME, wait_for, wait_idle
+
+from engine.tokenizer import load_tokenizer
+from engine.weights import SMOLLM2_ID
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster("nixl")]
+
+CLIENT_TIMEOUT = 60
+
+
+def client(duet, timeout: float = CLIENT_TIMEOUT) -> openai.OpenAI:
+    return openai.OpenAI(base_url=duet.base_url, api_key="unused", max_retries=0, timeout=timeout)
+
+
+def replica_actor(deployment: str):
+    """The (single) Serve replica actor of one deployment of the duet app."""
+    names = [
+        a for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#{deployment}#")
+    ]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), names[0]["name"]
+
+
+def wait_replaced(duet, deployment: str, old_name: str) -> None:
+    def replaced():
+        _, name = replica_actor(deployment)
+        return name != old_name and duet.stats(deployment)["kv_blocks_total"] > 0
+
+    wait_for(replaced, timeout=180, interval=1.0, what=f"Serve to replace the {deployment} replica")
+
+
+def test_client_disconnect_mid_stream_frees_kv_on_both_sides(duet):
+    wait_idle(duet)
+    body = {
+        "model": SMOLLM2_ID, "prompt": f"[{uuid.uuid4().hex}] Tell me a long story.", "max_tokens": 400,
+        "temperature": 0, "ignore_eos": True, "stream": True,
+    }
+    with httpx.Client(base_url=duet.url, timeout=CLIENT_TIMEOUT) as h:
+        with h.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events += 1
+                    if events >= 4:  # first token from prefill, then decode's batches
+                        break
+    p = duet.stats("prefill")
+    assert p["leases_granted"] >= 1
+    wait_idle(duet, timeout=30)
+    assert duet.stats("decode")["num_running"] == 0
+
+
+async def _concurrent_streams(duet, n: int, max_tokens: int) -> list[tuple[str, str | None, int]]:
+    c = openai.AsyncOpenAI(base_url=duet.base_url, api_key="unused", max_retries=0, timeout=180)
+
+    async def one(i: int):
+        text, finish, usage = "", None, None
+        stream = await c.completions.create(
+            model=SMOLLM2_ID, prompt=f"Request {i}: the number after {i} is", max_tokens=max_tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for ch in chunk.choices:
+                text += ch.text
+                finish = ch.finish_reason or finish
+        return text, finish, usage.completion_tokens if usage else 0
+
+    try:
+        return await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        await c.close()
+
+
+def test_32_concurrent_streams_complete_without_leaking_blocks(duet):
+    wait_idle(duet)
+    before = duet.stats("prefill")
+    t0 = time.monotonic()
+    results = asyncio.run(_concurrent_streams(duet, 32, max_tokens=16))
+    assert time.monotonic() - t0 < 150
+    for text, finish, n_tokens in results:
+        assert finish in ("stop", "length")
+        assert 1 <= n_tokens <= 16
+        assert finish == "stop" or n_tokens == 16
+    wait_idle(duet, timeout=30)
+    p = duet.stats("prefill")
+    granted = p["leases_granted"] - before["leases_granted"]
+    assert granted == sum(1 for _, finish, n in results if n > 1)  # ended at prefill: no lease
+    assert p["leases_released"] - before["leases_released"] == granted
+
+
+def _stream_in_thread(duet, **kw) -> tuple[threading.Thread, dict]:
+    """Run one streaming completion in a thread; the dict gets chunks, error and seconds."""
+    out: dict = {"chunks": 0, "error": None, "done": False}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            for chunk in client(duet).completions.create(model=SMOLLM2_ID, temperature=0, stream=True, **kw):
+                out["chunks"] += 1
+            out["done"] = True
+        except Exception as e:  # what the test asserts on
+            out["error"] = e
+        finally:
+            out["seconds"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_decode_replica_killed_mid_stream(duet):
+    wait_idle(duet)
+    t, out = _stream_in_thread(
+        duet, prompt=f"[{uuid.uuid4().hex}] Write a long essay.", max_tokens=600, extra_body={"ignore_eos": True}
+    )
+    wait_for(lambda: out["chunks"] >= 3 or out["error"], timeout=60, interval=0.05, what="the stream to start")
+    assert out["error"] is None
+    actor, name = replica_actor("decode")
+    ray.kill(actor, no_restart=True)
+    t.join(CLIENT_TIMEOUT + 10)
+    assert not t.is_alive(), "the client hung after its decode replica died"
+    assert not out["done"] and isinstance(out["error"], openai.APIError), out
+    assert out["seconds"] < CLIENT_TIMEOUT
+
+    wait_replaced(duet, "decode", name)
+    r = client(duet, timeout=120).completions.create(model=SMOLLM2_ID, prompt="Hello", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    wait_idle(duet, timeout=30)
+
+
+def test_prefill_replica_killed_mid_request(duet):
+    wait_idle(duet)
+    # ~1000 tokens: two 512-token prefill chunks, a window of a second or more.
+    text = f"[{uuid.uuid4().hex}] " + " ".join(f"w{i}" for i in range(1000))
+    prompt = load_tokenizer(duet.cfg.engine.model).encode(text)[:1000]
+    p0 = duet.stats("prefill")
+    t, out = _stream_in_thread(duet, prompt=prompt, max_tokens=8)
+    def in_prefill() -> bool:
+        s = duet.stats("prefill")
+        assert s["leases_granted"] == p0["leases_granted"], "prefill finished before the kill"
+        return s["num_running"] + s["num_waiting"] > 0
+
+    wait_for(in_prefill, timeout=60, interval=0.02, what="the prompt to reach prefill")
+    actor, name = replica_actor("prefill")
+    ray.kill(actor, no_restart=True)
+    t.join(CLIENT_TIMEOUT + 10)
+    assert not t.is_alive(), "the client hung after its prefill replica died"
+    assert not out["done"] and isinstance(out["error"], openai.APIError), out
+
+    wait_replaced(duet, "prefill", name)
+    r = client(duet, timeout=120).completions.create(model=SMOLLM2_ID, prompt="Hello", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+    wait_idle(duet, timeout=30)
