@@ -110,7 +110,8 @@ def test_plan_validate_against_live_server(server, tmp_path):
     r = duet("plan", "--prefill-sweep", str(pre / "results.json"), "--decode-sweep", str(dec / "results.json"),
              "--rate", "0.5", "--input-len", "uniform:32:128", "--output-len", "16", "--goodput", "ttft:5000",
              "tpot:1000", "--goodput-target", "0.8", "--num-requests", "300", "--validate", "--base-url", server,
-             "--validate-num-prompts", "8", "--no-progress", "--out", str(plan))
+             "--validate-num-prompts", "8", "--no-progress", "--out", str(plan),
+             "--validate-out", str(tmp_path / "validation"))
     print(r.stdout)
     # 1 = infeasible plan: still validated; never a crash.
     assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stdout + r.stderr
@@ -124,3 +125,4 @@ def test_plan_validate_against_live_server(server, tmp_path):
         assert rows[k]["predicted"] > 0 and rows[k]["measured"] > 0 and math.isfinite(rows[k]["rel_error"])
         assert f"{rows[k]['rel_error']:+.0%}" in r.stdout
     assert 0 <= rows["goodput_ratio"]["measured"] <= 1
+    check_outputs(tmp_path / "validation", n_points=1, submitted=8)
