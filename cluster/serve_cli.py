@@ -116,6 +116,8 @@ def run(args) -> int:
           f"at {url}/v1  [ready in {time.monotonic() - t0:.0f}s]", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
+    # A shell's background job inherits SIGINT ignored; Ctrl-C must still stop us.
+    signal.signal(signal.SIGINT, lambda *_: done.set())
     try:
         while not done.wait(1):
             pass
