@@ -34,7 +34,7 @@ CLUSTERS: dict[str, dict] = {
     "torch": {"transfer.backend": "torch"},
     "aggregated": {"mode": "aggregated"},
     # Short leases (TTL path) and a decode pool too small for long prompts (reject path).
-    "small": {"transfer.lease_ttl_s": 2.0, "decode.num_kv_blocks": 4},
+    "small": {"transfer.lease_ttl_s": 3.0, "decode.num_kv_blocks": 4},
 }
 
 
