@@ -10,6 +10,7 @@ prompt here when `transfer.on_failure: recompute`; either way it is counted.
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,17 +22,9 @@ from kvtransfer import control
 from kvtransfer.backends import make_backend
 from kvtransfer.backends.base import TransferError, TransferMetrics
 from kvtransfer.layout import LayoutMismatch
-from kvtransfer.messages import DecodeRequest, Reject, RejectReason, Release
+from kvtransfer.messages import DecodeRequest, ImportFailed, Reject, RejectReason, Release
 
 log = logging.getLogger(__name__)
-
-
-class ImportFailed(RuntimeError):
-    """The KV of a request could not be imported (and recompute is off)."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"KV import failed ({reason}): {detail}")
-        self.reason = reason
 
 
 @dataclass
@@ -130,6 +123,7 @@ class DecodeServer:
             "num_running": s["num_running"] + s["num_waiting"],
             "kv_blocks_free": s["kv_blocks_free"],
             "kv_blocks_total": s["kv_blocks_total"],
+            "reported_at": time.time(),
         }
 
     async def stats(self) -> dict:

@@ -150,3 +150,15 @@ class Abort:
     request_id: str
     reason: str
     detail: str = field(default="")
+
+
+class ImportFailed(RuntimeError):
+    """Decode could not import a request's KV (and did not recompute). Raised in the
+    decode replica; Ray re-raises it with this type in the gateway."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"KV import failed ({reason}): {detail}")
+        self.reason = reason
+
+    def __reduce__(self):
+        return (ImportFailed, (self.reason, str(self).split("): ", 1)[-1]))

@@ -30,6 +30,10 @@ from routing.openai_stream import sse_error
 
 log = logging.getLogger(__name__)
 
+def _upstream_error(e: pipeline.UpstreamError) -> APIError:
+    return not_ready(str(e), retry_after_s=1) if e.capacity else internal_error(str(e))
+
+
 app = FastAPI(title="duet", description="OpenAI-compatible gateway of a disaggregated LLM cluster")
 install_error_handlers(app)
 
@@ -197,7 +201,7 @@ class Gateway:
             async for batch in self._observed(endpoint, rid, ids, sp, session):
                 outs.extend(batch)
         except pipeline.UpstreamError as e:
-            raise internal_error(str(e)) from e
+            raise _upstream_error(e) from e
         return outs
 
     def _stream(self, endpoint, rid, ids, sp, builder, session=None) -> StreamingResponse:
@@ -211,7 +215,7 @@ class Gateway:
                         yield chunk
                 yield builder.done()
             except pipeline.UpstreamError as e:
-                yield sse_error(internal_error(str(e)))
+                yield sse_error(_upstream_error(e))
             except APIError as e:
                 yield sse_error(e)
 

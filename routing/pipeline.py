@@ -18,13 +18,18 @@ from dataclasses import dataclass, field
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer import control
-from kvtransfer.messages import AbortReason, DecodeRequest, PrefillResult, Reject
+from kvtransfer.messages import AbortReason, DecodeRequest, ImportFailed, PrefillResult, Reject, RejectReason
 
 log = logging.getLogger(__name__)
 
 
 class UpstreamError(RuntimeError):
-    """A pool failed the request (replica died, import failed): a 5xx for the client."""
+    """A pool failed the request: 503 when it was out of capacity (decode had no free
+    KV blocks; retrying later can succeed), 500 otherwise (replica died, import failed)."""
+
+    def __init__(self, message: str, capacity: bool = False):
+        super().__init__(message)
+        self.capacity = capacity
 
 
 def _reject(result: PrefillResult, reason: str) -> None:
@@ -91,7 +96,7 @@ async def disaggregated(
             stream.cancel()
             raise
         except Exception as e:
-            raise UpstreamError(f"decode failed: {_short(e)}") from e
+            raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
     finally:
         if not decode_started:  # nobody will pull this lease: free it now
             await asyncio.to_thread(_reject, result, AbortReason.CLIENT_DISCONNECTED.value)
@@ -107,6 +112,11 @@ async def aggregated(handle, request_id: str, prompt_ids: list[int], sp: Samplin
         raise
     except Exception as e:
         raise UpstreamError(f"engine failed: {_short(e)}") from e
+
+
+def _is_capacity(e: BaseException) -> bool:
+    # Ray re-raises the replica's exception as a subclass of its type.
+    return isinstance(e, ImportFailed) and e.reason == RejectReason.NO_FREE_BLOCKS
 
 
 def _short(e: BaseException) -> str:
