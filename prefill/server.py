@@ -108,6 +108,7 @@ class PrefillServer:
             "kv_blocks_free": s["kv_blocks_free"],
             "kv_blocks_total": s["kv_blocks_total"],
             "model_fingerprint": self.aengine.engine.model_fingerprint,
+            "reported_at": time.time(),
         }
         if self.redis_index is None:
             out["kv_log"] = self.event_log.window()

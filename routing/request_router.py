@@ -53,7 +53,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections import Counter
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -64,6 +65,10 @@ from routing.cost import ReplicaSnapshot, RouterConfig, choose_decode, choose_pr
 from routing.prefix_index import InProcessPrefixIndex, PrefixIndex, RedisPrefixIndex
 
 log = logging.getLogger("ray.serve")
+
+# How long a finished request is remembered to correct replica reports taken before
+# it finished (reports are at most `request_routing_stats_period_s` + a broadcast old).
+_COMPLETED_WINDOW_S = 10.0
 
 
 def replica_key(replica_id: ReplicaID) -> str:
@@ -87,26 +92,56 @@ class _LoadTracking:
 
     def _init_tracking(self) -> None:
         self._inflight: dict[str, _InFlight] = {}
-        self._planned: dict[str, tuple[str, int]] = {}  # internal id -> (replica, tokens)
+        self._planned: dict[str, tuple[str, int, int]] = {}  # internal id -> (replica, tokens, as counted there)
+        self._sent: dict[str, tuple[float, int]] = {}  # internal id -> (sent at, as the replica counts it)
+        # Per replica: (sent_at, done_at, tokens) of requests this router saw finish
+        # recently. A replica's report taken at `reported_at` still counts those sent
+        # before and finished after it: they are taken off the report.
+        self._completed: dict[str, deque[tuple[float, float, int]]] = {}
         self.decisions: Counter[str] = Counter()
 
-    def _plan(self, pr: PendingRequest, key: str, tokens: int) -> None:
-        self._planned[pr.metadata.internal_request_id] = (key, tokens)
+    def _load(self, key: str, r: RunningReplica, tokens_stat: str, requests_stat: str) -> tuple[int, int]:
+        """(tokens, requests) queued on a replica: its last report, less what this
+        router has seen finish since the report, and never less than what this router
+        has in flight there now."""
+        flight = self._inflight.get(key)
+        at = float(_stat(r, "reported_at", 0.0))
+        stale = [t for sent, done, t in self._completed.get(key, ()) if sent <= at < done]
+        tokens = int(_stat(r, tokens_stat)) - sum(stale) if tokens_stat else 0
+        requests = int(_stat(r, requests_stat)) - len(stale)
+        local_tokens = flight.num_tokens if flight else 0
+        local_requests = len(flight.tokens) if flight else 0
+        return max(tokens, local_tokens), max(requests, local_requests)
+
+    def _plan(self, pr: PendingRequest, key: str, tokens: int, counted: int | None = None) -> None:
+        """`tokens`: work this request adds; `counted`: what the replica's report
+        counts for it while queued (a prefill replica counts the whole prompt)."""
+        self._planned[pr.metadata.internal_request_id] = (key, tokens, tokens if counted is None else counted)
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         rid = pending_request.metadata.internal_request_id
         key = replica_key(replica_id)
-        planned_key, tokens = self._planned.pop(rid, (key, 0))
+        planned_key, tokens, counted = self._planned.pop(rid, (key, 0, 0))
         self._inflight.setdefault(key, _InFlight()).tokens[rid] = tokens if planned_key == key else 0
+        self._sent[rid] = (time.time(), counted)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._planned.pop(internal_request_id, None)
-        flight = self._inflight.get(replica_key(replica_id))
-        if flight is not None:
-            flight.tokens.pop(internal_request_id, None)
+        now = time.time()
+        sent, counted = self._sent.pop(internal_request_id, (now, 0))
+        key = replica_key(replica_id)
+        flight = self._inflight.get(key)
+        if flight is None or internal_request_id not in flight.tokens:
+            return
+        flight.tokens.pop(internal_request_id)
+        done = self._completed.setdefault(key, deque())
+        done.append((sent, now, counted))
+        while done and now - done[0][1] > _COMPLETED_WINDOW_S:
+            done.popleft()
 
     def _forget(self, key: str) -> None:
         self._inflight.pop(key, None)
+        self._completed.pop(key, None)
 
 
 def _stat(replica: RunningReplica, name: str, default=0):
@@ -200,13 +235,11 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
 
     # ------------------------------------------------------------ the decision
     def _snapshot(self, key: str, r: RunningReplica) -> ReplicaSnapshot:
-        flight = self._inflight.get(key)
-        local_tokens = flight.num_tokens if flight else 0
-        local_requests = len(flight.tokens) if flight else 0
+        tokens, requests = self._load(key, r, "queued_prefill_tokens", "num_running")
         return ReplicaSnapshot(
             replica_id=key,
-            queued_prefill_tokens=max(int(_stat(r, "queued_prefill_tokens")), local_tokens),
-            running_requests=max(int(_stat(r, "num_running")), local_requests),
+            queued_prefill_tokens=tokens,
+            running_requests=requests,
             free_kv_blocks=int(_stat(r, "kv_blocks_free")),
             total_kv_blocks=int(_stat(r, "kv_blocks_total")),
         )
@@ -219,6 +252,9 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
         prompt = _prompt_ids(pending_request)
         if prompt is None:  # stats(), take_kv_events(), ...: any replica
             return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
+        # Let completion callbacks already queued on this loop run first, so a request
+        # that just finished is not counted as load.
+        await asyncio.sleep(0)
         hashes = block_hashes(prompt, self.config.block_size, self.model_fingerprint)
         if self.index_kind == "redis":
             matched = await asyncio.to_thread(self.index.match, hashes)
@@ -233,7 +269,7 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
         self.decisions[decision.reason] += 1
         self.affinity.record(session, decision.replica_id)
         to_compute = len(prompt) - decision.cached_blocks * self.config.block_size
-        self._plan(pending_request, decision.replica_id, to_compute)
+        self._plan(pending_request, decision.replica_id, to_compute, len(prompt))
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
         rest.sort(key=lambda r: self._snapshot(replica_key(r.replica_id), r).queued_prefill_tokens)
         return [[by_key[decision.replica_id]], *([r] for r in rest)]
@@ -267,13 +303,13 @@ class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
         snapshots = []
         for key, r in by_key.items():
             flight = self._inflight.get(key)
-            local = len(flight.tokens) if flight else 0
-            local_blocks = flight.num_tokens if flight else 0
+            _, running = self._load(key, r, "", "num_running")
+            pending_blocks = flight.num_tokens if flight else 0  # sent, maybe not yet imported
             snapshots.append(
                 ReplicaSnapshot(
                     replica_id=key,
-                    running_requests=max(int(_stat(r, "num_running")), local),
-                    free_kv_blocks=max(0, int(_stat(r, "kv_blocks_free", 1 << 30)) - local_blocks),
+                    running_requests=running,
+                    free_kv_blocks=max(0, int(_stat(r, "kv_blocks_free", 1 << 30)) - pending_blocks),
                     total_kv_blocks=int(_stat(r, "kv_blocks_total")),
                 )
             )
