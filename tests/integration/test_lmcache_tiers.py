@@ -101,23 +101,6 @@ def test_cpu_tier_restores_an_evicted_prompt(cpu_redis_app):
     assert after["kv_tier_cpu_hit_bytes"] > before["kv_tier_cpu_hit_bytes"]
 
 
-def test_redis_down_is_skipped_counted_and_recovers(cluster, cpu_redis_app):
-    url, redis = cpu_redis_app, cluster["redis"]
-    assert redis.run("stop").returncode == 0
-    try:
-        t0 = time.monotonic()
-        r = complete(url, prompt(300, 2))
-        assert r["choices"][0]["text"] is not None
-        assert time.monotonic() - t0 < 30
-        s = _stats()
-        assert s["kv_tier_redis_skipped"] > 0 and s["kv_tier_redis_up"] == 0
-    finally:
-        assert redis.run("start").returncode == 0
-    time.sleep(1.0)  # past redis_retry_interval_s
-    complete(url, prompt(300, 3))
-    assert _stats()["kv_tier_redis_up"] == 1
-
-
 def test_prefix_from_replica_1_served_to_replica_2_from_redis(cluster, cpu_redis_app):
     """Replica 1 computed P (then evicted it); replica 2 has an empty pool and an
     empty CPU tier, so only Redis can serve it."""
@@ -143,8 +126,40 @@ def test_prefix_from_replica_1_served_to_replica_2_from_redis(cluster, cpu_redis
     hit = complete(url, p)
     s = _stats()
     assert hit["choices"][0]["text"] == miss["choices"][0]["text"]
-    assert cached_tokens(hit) >= HIT
+    assert cached_tokens(hit) >= HIT, {k: v for k, v in s.items() if k.startswith(("kv_tier", "external"))}
     assert s["kv_tier_redis_hit_tokens"] >= HIT and s["kv_tier_cpu_hit_tokens"] == 0
+
+
+def test_redis_down_is_skipped_counted_and_recovers(cluster, cpu_redis_app):
+    # Runs after the Redis-sharing test: LMCache 0.5.6 drops the first write on each
+    # pooled Redis connection after a Redis restart (broken pipe, logged), which
+    # would turn that test's hit into a partial one.
+    url, redis = cpu_redis_app, cluster["redis"]
+    assert redis.run("stop").returncode == 0
+    try:
+        t0 = time.monotonic()
+        r = complete(url, prompt(300, 2))
+        assert r["choices"][0]["text"] is not None
+        assert time.monotonic() - t0 < 30
+        s = _stats()
+        assert s["kv_tier_redis_skipped"] > 0 and s["kv_tier_redis_up"] == 0
+    finally:
+        assert redis.run("start").returncode == 0
+    time.sleep(1.0)  # past redis_retry_interval_s
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(redis.url + "/0")
+    keys = client.dbsize()
+    # LMCache's own Redis connection fails its first write after a restart (broken
+    # pipe, logged) and reconnects; stores must reach Redis again within a few prompts.
+    deadline = time.monotonic() + 30
+    seed = 10
+    while client.dbsize() <= keys:
+        assert time.monotonic() < deadline, "stores never reached Redis after it came back"
+        complete(url, prompt(300, seed))
+        seed += 1
+        time.sleep(0.5)
+    assert _stats()["kv_tier_redis_up"] == 1
 
 
 def test_disk_tier_restores_and_survives_a_restart(cluster):
