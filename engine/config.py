@@ -54,24 +54,29 @@ class ModelConfig:
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """`auto` means bf16 on CUDA or on a CPU with native bf16, else fp32."""
+    """`auto` means bf16 on CUDA or on a CPU whose bf16 GEMM beats fp32, else fp32.
+
+    Only AMX makes bf16 the faster CPU dtype: on an AVX512-BF16 CPU without AMX
+    (this project's machines) oneDNN's bf16 GEMM measured ~170 GFLOP/s against
+    MKL's ~300 fp32 on the engine's shapes, and every engine benchmark point ran
+    faster in fp32 (docs/benchmarks.md)."""
     if name == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16
-        return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
     try:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
     except KeyError:
         raise ConfigError("dtype", f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16") from None
 
 
-def _cpu_has_native_bf16() -> bool:
+def _cpu_has_fast_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return "amx_bf16" in flags
 
 
 def resolve_device(name: str) -> str:
