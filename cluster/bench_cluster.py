@@ -61,7 +61,10 @@ def _summ(point: dict) -> dict:
 def bench_modes(concurrency: list[int], num_prompts: int, input_len: int, output_len: int, port: int) -> dict:
     results = {}
     for mode in ("aggregated", "disaggregated"):
+        # Same hardware: the one aggregated replica gets the threads of both pools.
         cfg = load_config(overrides={"mode": mode, "gateway.port": port})
+        cfg.aggregated.threads = cfg.prefill.threads + cfg.decode.threads
+        cfg.aggregated.num_cpus = cfg.prefill.num_cpus + cfg.decode.num_cpus
         url = serve_cli.start(cfg)
         try:
             with tempfile.TemporaryDirectory() as d:

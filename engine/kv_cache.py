@@ -26,9 +26,10 @@ def num_blocks_for(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype) ->
         if n < 2:
             raise ConfigError("kv_cache_bytes", f"{cfg.kv_cache_bytes} bytes hold fewer than 2 blocks")
         return int(n)
-    # Enough for max_num_seqs sequences of max_model_len, capped so the default fits a laptop.
+    # Enough for max_num_seqs sequences of max_model_len, capped at 2048 blocks (32K
+    # tokens; 1.5 GB for SmolLM2 in fp32) so the default fits a laptop.
     per_seq = -(-cfg.max_model_len // cfg.block_size)
-    return max(2, min(cfg.max_num_seqs * per_seq, 4096))
+    return max(2, min(cfg.max_num_seqs * per_seq, 2048))
 
 
 class KVCache:
