@@ -12,7 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 
 
 class Strict(BaseModel):
@@ -200,12 +200,6 @@ class ClusterConfig(Strict):
                 f"the pools need {need:g} CPUs ({parts}, gateway.num_cpus = {self.gateway.num_cpus:g}) "
                 f"but the Ray cluster has {available_cpus:g}",
             )
-
-
-class ConfigError(ValueError):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 def _set_path(data: dict, dotted: str, value) -> None:
