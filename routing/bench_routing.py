@@ -141,7 +141,8 @@ def _config(setup: dict, kv_blocks: int, port: int) -> dict:
     cfg = {
         "engine": {"dtype": "auto", "max_model_len": 2048, "num_kv_blocks": kv_blocks, "max_num_batched_tokens": 512},
         "prefill": {"replicas": 2, "num_cpus": 0.25, "threads": 1},
-        "decode": {"replicas": 1, "num_cpus": 0.25, "threads": 1},
+        # Only the prefill pool is squeezed: a small decode pool would reject handoffs.
+        "decode": {"replicas": 1, "num_cpus": 0.25, "threads": 1, "num_kv_blocks": 512},
         "transfer": {"backend": "torch"},
         "gateway": {"port": port, "num_cpus": 0.1},
     }
@@ -153,7 +154,7 @@ def _config(setup: dict, kv_blocks: int, port: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_routing.json")
-    ap.add_argument("--kv-blocks", type=int, default=96, help="KV blocks per replica (small: forces evictions)")
+    ap.add_argument("--kv-blocks", type=int, default=96, help="KV blocks per prefill replica (small: forces evictions)")
     ap.add_argument("--requests", type=int, default=24, help="shared-system-prompt requests")
     ap.add_argument("--sessions", type=int, default=6)
     ap.add_argument("--turns", type=int, default=4)
