@@ -20,7 +20,7 @@ from cluster.replica import replica_id, start_engine, warm_up
 from engine.request import RequestOutput
 from kvtransfer import control
 from kvtransfer.backends import make_backend
-from kvtransfer.backends.base import TransferError, TransferMetrics
+from kvtransfer.backends.base import TransferError
 from kvtransfer.layout import LayoutMismatch
 from kvtransfer.messages import DecodeRequest, ImportFailed, Reject, RejectReason, Release
 
@@ -47,7 +47,6 @@ class DecodeServer:
         self.aengine.submit(lambda: warm_up(engine)).result()
         self.backend = make_backend(cfg.transfer.backend, self.replica_id, engine.model_id)
         self.backend.register(engine.kv_cache.data)
-        self.metrics = TransferMetrics()
         self.counters = ImportCounters()
         log.info("decode replica %s ready (backend %s)", self.replica_id, self.backend.name)
 
@@ -75,13 +74,11 @@ class DecodeServer:
         if reason is None:
             try:
                 timeout = min(self.cfg.transfer.timeout_s, max(h.seconds_left(), 0.1))
-                stats = await asyncio.to_thread(self.backend.pull, h.peer, h.block_ids, blocks, timeout)
-                self.metrics.record(stats)
+                await asyncio.to_thread(self.backend.pull, h.peer, h.block_ids, blocks, timeout)
                 self.counters.imported += 1
                 await asyncio.to_thread(self._notify, req, Release(req.request_id, h.lease_id))
                 return blocks
             except TransferError as e:
-                self.metrics.record_failure()
                 reason, detail = RejectReason.TRANSFER_FAILED, str(e)
                 ids = blocks
                 await self.aengine.call(lambda: engine.release_blocks(ids))
@@ -127,7 +124,7 @@ class DecodeServer:
         }
 
     async def stats(self) -> dict:
-        m = self.metrics.snapshot()
+        m = self.backend.metrics.snapshot()  # the backend counts every pull, failures too
         return {
             **self.aengine.stats,
             "replica_id": self.replica_id,
