@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from cluster.config import ClusterConfig
-from cluster.replica import replica_id, start_engine, warm_up
+from cluster.replica import replica_id, start_engine
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -18,8 +18,6 @@ class AggregatedServer:
         cfg = ClusterConfig.model_validate(config)
         self.replica_id = replica_id()
         self.aengine = start_engine(cfg, cfg.aggregated, role="aggregated")
-        engine = self.aengine.engine
-        self.aengine.submit(lambda: warm_up(engine)).result()
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
@@ -38,5 +36,4 @@ class AggregatedServer:
         return self.aengine.take_kv_events()
 
     async def check_health(self) -> None:
-        if self.aengine._error is not None:
-            raise RuntimeError(f"engine dead: {self.aengine._error}")
+        self.aengine.check_health()

@@ -38,13 +38,16 @@ def node_ip() -> str:
 
 
 def start_engine(cfg: ClusterConfig, pool: PoolConfig, role: Role) -> AsyncEngine:
+    """The pool's engine on its own thread, warmed up: /ready means one request ran."""
     # Ray sets OMP_NUM_THREADS=1 in actors; the pool config decides instead.
     torch.set_num_threads(pool.threads)
     ecfg = cfg.engine.engine_config(pool.threads)
     if pool.num_kv_blocks is not None:
         ecfg = dataclasses.replace(ecfg, num_kv_blocks=pool.num_kv_blocks)
     engine = Engine(ecfg, role=role)
-    return AsyncEngine(engine)
+    aengine = AsyncEngine(engine)
+    aengine.submit(lambda: warm_up(engine)).result()
+    return aengine
 
 
 def warm_up(engine: Engine) -> None:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from cluster.config import ClusterConfig
-from cluster.replica import replica_id, start_engine, warm_up
+from cluster.replica import replica_id, start_engine
 from engine.request import RequestOutput
 from kvtransfer import control
 from kvtransfer.backends import make_backend
@@ -44,7 +44,6 @@ class DecodeServer:
         self.replica_id = replica_id()
         self.aengine = start_engine(cfg, cfg.decode, role="decode")
         engine = self.aengine.engine
-        self.aengine.submit(lambda: warm_up(engine)).result()
         self.backend = make_backend(cfg.transfer.backend, self.replica_id, engine.model_id)
         self.backend.register(engine.kv_cache.data)
         self.counters = ImportCounters()
@@ -140,5 +139,4 @@ class DecodeServer:
         }
 
     async def check_health(self) -> None:
-        if self.aengine._error is not None:
-            raise RuntimeError(f"engine dead: {self.aengine._error}")
+        self.aengine.check_health()

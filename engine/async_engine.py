@@ -93,10 +93,14 @@ class AsyncEngine:
         self.stats = self.engine.stats()
 
     # ------------------------------------------------------------ commands
-    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future:
-        """Run `fn` on the engine thread between steps; callable from any thread."""
+    def check_health(self) -> None:
+        """Raise if the engine thread died (Serve's health check restarts the replica)."""
         if self._error is not None:
             raise EngineDead(str(self._error))
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between steps; callable from any thread."""
+        self.check_health()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, fut))
         self._wake.set()

@@ -20,7 +20,7 @@ import threading
 import time
 
 from cluster.config import ClusterConfig
-from cluster.replica import node_ip, replica_id, start_engine, warm_up
+from cluster.replica import node_ip, replica_id, start_engine
 from engine.sampling_params import SamplingParams
 from kvtransfer.backends import make_backend
 from kvtransfer.control import ControlMessage, ControlServer
@@ -40,7 +40,6 @@ class PrefillServer:
         self.replica_id = replica_id()
         self.aengine = start_engine(cfg, cfg.prefill, role="prefill")
         engine = self.aengine.engine
-        self.aengine.submit(lambda: warm_up(engine)).result()
         self.tier = None
         if cfg.cache.enabled:
             from prefill.kv_tier import KVTier
@@ -182,8 +181,7 @@ class PrefillServer:
         return self.event_log.window()
 
     async def check_health(self) -> None:
-        if self.aengine._error is not None:
-            raise RuntimeError(f"engine dead: {self.aengine._error}")
+        self.aengine.check_health()
 
     def shutdown(self) -> None:
         """Stop threads, the engine, then close the tier (bounded: see kv_tier.close)."""
