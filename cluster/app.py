@@ -6,11 +6,13 @@ from __future__ import annotations
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from cluster.aggregated import AggregatedServer
 from cluster.config import ClusterConfig, PoolConfig
+from decode.aggregated import AggregatedServer
 from decode.server import DecodeServer
+from engine.engine import expected_model_fingerprint
+from kvtransfer.events.config import PrefixIndexConfig
 from prefill.server import PrefillServer
-from routing.gateway import Gateway
+from routing.openai.gateway import Gateway
 
 # Every replica computes block hashes and LMCache keys the same way.
 REPLICA_ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
@@ -40,65 +42,59 @@ def _options(name: str, pool: PoolConfig) -> dict:
     return opts
 
 
-def model_fingerprint(cfg: ClusterConfig) -> str:
-    """What `Engine.model_fingerprint` will be on the replicas (routers hash prompts
-    with it; replicas also report theirs, which wins on a mismatch)."""
-    from engine.config import resolve_device, resolve_dtype
-    from engine.weights import resolve_checkpoint
-
-    dtype = resolve_dtype(cfg.engine.dtype, resolve_device(cfg.engine.device))
-    return f"{resolve_checkpoint(cfg.engine.model).model_id}|{str(dtype).removeprefix('torch.')}"
-
-
 def router_configs(cfg: ClusterConfig) -> dict[str, RequestRouterConfig]:
     """Request routers per pool from `cfg.router` (empty: Serve's default)."""
     r = cfg.router
     if r.policy == "default":
         return {}
     common = {"request_routing_stats_period_s": r.stats_period_s, "request_routing_stats_timeout_s": 10.0}
+    config = r.model_dump()
+    block_size = cfg.engine.block_size
     prefill = RequestRouterConfig(
-        request_router_class="routing.request_router.KVAwarePrefillRouter",
+        request_router_class="routing.router.serve_routers.KVAwarePrefillRouter",
         request_router_kwargs={
-            "block_size": cfg.engine.block_size,
-            "model_fingerprint": model_fingerprint(cfg),
-            "overlap_weight": r.overlap_weight,
-            "running_weight": r.running_weight,
-            "temperature": r.temperature,
-            "imbalance_threshold": r.imbalance_threshold,
-            "session_affinity_bonus": r.session_affinity_bonus,
-            "prefix_index": r.prefix_index,
-            "redis_url": r.redis_url,
-            "index_key_prefix": r.index_key_prefix,
+            "config": config,
+            "block_size": block_size,
+            "model_fingerprint": expected_model_fingerprint(cfg.engine),
         },
         **common,
     )
     decode = RequestRouterConfig(
-        request_router_class="routing.request_router.KVAwareDecodeRouter",
-        request_router_kwargs={
-            "block_size": cfg.engine.block_size,
-            "decode_kv_weight": r.decode_kv_weight,
-            "temperature": r.temperature,
-        },
+        request_router_class="routing.router.serve_routers.KVAwareDecodeRouter",
+        request_router_kwargs={"config": config, "block_size": block_size},
         **common,
     )
     return {"prefill": prefill, "decode": decode}
 
 
+def _pool_args(cfg: ClusterConfig, pool: PoolConfig) -> dict:
+    return {"engine": cfg.pool_engine(pool).model_dump(), "threads": pool.threads}
+
+
 def build_app(cfg: ClusterConfig):
-    conf = cfg.model_dump()
+    """The Serve application: every replica gets its own room's settings, dumped."""
     gateway = Gateway.options(
         ray_actor_options={"num_cpus": cfg.gateway.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}},
         max_ongoing_requests=cfg.gateway.max_pending_requests * 2,
     )
+    gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump()}
     if cfg.mode == "aggregated":
         pool = serve.deployment(AggregatedServer).options(**_options("aggregated", cfg.aggregated))
-        return gateway.bind(conf, aggregated=pool.bind(conf))
+        return gateway.bind(**gateway_args, aggregated=pool.bind(**_pool_args(cfg, cfg.aggregated)))
     routers = router_configs(cfg)
     prefill_opts = _options("prefill", cfg.prefill)
     decode_opts = _options("decode", cfg.decode)
     if routers:
         prefill_opts["request_router_config"] = routers["prefill"]
         decode_opts["request_router_config"] = routers["decode"]
-    prefill = serve.deployment(PrefillServer).options(**prefill_opts)
-    decode = serve.deployment(DecodeServer).options(**decode_opts)
-    return gateway.bind(conf, prefill=prefill.bind(conf), decode=decode.bind(conf))
+    prefix_index = PrefixIndexConfig.model_validate(cfg.router.model_dump(include=set(PrefixIndexConfig.model_fields)))
+    prefill = serve.deployment(PrefillServer).options(**prefill_opts).bind(
+        **_pool_args(cfg, cfg.prefill),
+        transfer=cfg.transfer.model_dump(),
+        cache=cfg.cache.model_dump(),
+        prefix_index=prefix_index.model_dump(),
+    )
+    decode = serve.deployment(DecodeServer).options(**decode_opts).bind(
+        **_pool_args(cfg, cfg.decode), transfer=cfg.transfer.model_dump()
+    )
+    return gateway.bind(**gateway_args, prefill=prefill, decode=decode)

@@ -20,6 +20,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args) -> int:
+    import torch
+
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.sampling_params import InvalidRequest, SamplingParams
@@ -29,7 +31,9 @@ def cmd_generate(args) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, stop=args.stop or [],
         )
-        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads))
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
         prompt = args.prompt
         if not args.raw:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -62,11 +66,11 @@ def cmd_bench(args, rest: list[str]) -> int:
 
         return bench_serve_main(rest)
     if args.target == "kv":
-        from kvtransfer.bench import main as kv_main
+        from cluster.bench.kv import main as kv_main
 
         return kv_main(rest)
     if args.target == "cluster":
-        from cluster.bench_cluster import main as cluster_main
+        from cluster.bench.cluster import main as cluster_main
 
         return cluster_main(rest)
     raise SystemExit(f"unknown bench target {args.target!r}")

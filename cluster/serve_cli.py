@@ -3,7 +3,6 @@ URL, and shut everything down cleanly on Ctrl-C."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -13,6 +12,7 @@ import time
 import urllib.request
 
 from cluster.config import ClusterConfig, ConfigError, load_config
+from engine.weights import served_model_name
 
 log = logging.getLogger("duet")
 APP_NAME = "duet"
@@ -112,7 +112,7 @@ def run(args) -> int:
         stop()
         return 2
     pools = ", ".join(f"{n} x{p.replicas}" for n, p in cfg.pools().items())
-    print(f"duet is serving {cfg.served_model_name} ({cfg.mode}: {pools}; transfer {cfg.transfer.backend}) "
+    print(f"duet is serving {served_model_name(cfg.engine)} ({cfg.mode}: {pools}; transfer {cfg.transfer.backend}) "
           f"at {url}/v1  [ready in {time.monotonic() - t0:.0f}s]", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -1,30 +1,37 @@
 """The decode pool's Serve deployment.
 
-For each `DecodeRequest`: check the layout fingerprint, reserve blocks, pull the KV
-from the prefill replica (NIXL READ, or the torch backend), tell the owner to
-`Release` (or `Reject` when anything fails), then join the running batch and stream
-tokens. A failed import fails the request with a clear error, or recomputes the
-prompt here when `transfer.on_failure: recompute`; either way it is counted.
+For each `DecodeRequest`: check the handle (backend, layout fingerprint, lease time
+left), reserve blocks, pull the KV from the prefill replica (NIXL READ, or the torch
+backend), `Release` the lease (or `Reject` it when anything fails), then join the
+running batch and stream tokens. Every check and message is kvtransfer/handoff.py's.
+A failed import fails the request with a clear error, or recomputes the prompt here
+when `transfer.on_failure: recompute` (never on a layout or backend mismatch);
+either way it is counted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cluster.config import ClusterConfig
-from cluster.replica import replica_id, start_engine
+from engine.async_engine import start_engine
+from engine.config import EngineConfig
 from engine.request import RequestOutput
-from kvtransfer import control
 from kvtransfer.backends import make_backend
 from kvtransfer.backends.base import TransferError
+from kvtransfer.config import TransferConfig
+from kvtransfer.handoff import BackendMismatch, LeaseExpired, check_handle, pull_kv, reject_lease, release_lease
 from kvtransfer.layout import LayoutMismatch
-from kvtransfer.messages import DecodeRequest, ImportFailed, Reject, RejectReason, Release
+from kvtransfer.messages import DecodeRequest, ImportFailed, RejectReason
+from kvtransfer.replica import replica_id
 
 log = logging.getLogger(__name__)
+
+# A mismatch is a deployment error: recomputing would hide it (docs/ARCHITECTURE.md).
+_NEVER_RECOMPUTE = (RejectReason.LAYOUT_MISMATCH, RejectReason.BACKEND_MISMATCH)
 
 
 @dataclass
@@ -35,77 +42,78 @@ class ImportCounters:
     recomputed: int = 0
 
 
-class DecodeServer:
-    """Owns one decode engine and its KV transfer backend."""
+def _reason(exc: Exception) -> RejectReason:
+    if isinstance(exc, LayoutMismatch):
+        return RejectReason.LAYOUT_MISMATCH
+    if isinstance(exc, BackendMismatch):
+        return RejectReason.BACKEND_MISMATCH
+    if isinstance(exc, LeaseExpired):
+        return RejectReason.LEASE_EXPIRED
+    return RejectReason.TRANSFER_FAILED
 
-    def __init__(self, config: dict):
-        cfg = ClusterConfig.model_validate(config)
-        self.cfg = cfg
+
+class DecodeServer:
+    """Owns one decode engine and its KV transfer backend.
+
+    Constructor arguments are dumped settings: `engine` an `EngineConfig`, `transfer`
+    a `TransferConfig`.
+    """
+
+    def __init__(self, engine: dict, threads: int, transfer: dict):
+        self.transfer = TransferConfig.model_validate(transfer)
         self.replica_id = replica_id()
-        self.aengine = start_engine(cfg, cfg.decode, role="decode")
-        engine = self.aengine.engine
-        self.backend = make_backend(cfg.transfer.backend, self.replica_id, engine.model_id)
-        self.backend.register(engine.kv_cache.data)
+        self.aengine = start_engine(EngineConfig.model_validate(engine), "decode", threads)
+        eng = self.aengine.engine
+        self.backend = make_backend(self.transfer.backend, self.replica_id, eng.model_id)
+        self.backend.register(eng.kv_cache.data)
         self.counters = ImportCounters()
         log.info("decode replica %s ready (backend %s)", self.replica_id, self.backend.name)
-
-    def _notify(self, req: DecodeRequest, msg) -> None:
-        addr = req.kv_handle.control_address
-        if addr is not None:
-            control.send(tuple(addr), msg, timeout_s=self.cfg.transfer.timeout_s)
 
     async def _import(self, req: DecodeRequest) -> list[int] | None:
         """Blocks holding the prompt's KV, or None to recompute. Raises ImportFailed."""
         h = req.kv_handle
-        engine = self.aengine.engine
-        reason, detail = None, ""
+        eng = self.aengine.engine
+        timeout = self.transfer.timeout_s
         blocks = None
         try:
-            self.backend.fingerprint.check_compatible(h.fingerprint)
-            if h.expired():
-                reason, detail = RejectReason.LEASE_EXPIRED, f"lease {h.lease_id} expired before the pull"
+            check_handle(self.backend, h)  # before reserving anything
+            blocks = await self.aengine.call(lambda: eng.reserve_import(h.num_tokens))
+            if blocks is None:
+                reason, detail = RejectReason.NO_FREE_BLOCKS, "decode replica has no free KV blocks"
             else:
-                blocks = await self.aengine.call(lambda: engine.reserve_import(h.num_tokens))
-                if blocks is None:
-                    reason, detail = RejectReason.NO_FREE_BLOCKS, "decode replica has no free KV blocks"
-        except LayoutMismatch as e:
-            reason, detail = RejectReason.LAYOUT_MISMATCH, str(e)
-        if reason is None:
-            try:
-                timeout = min(self.cfg.transfer.timeout_s, max(h.seconds_left(), 0.1))
-                await asyncio.to_thread(self.backend.pull, h.peer, h.block_ids, blocks, timeout)
+                await asyncio.to_thread(pull_kv, self.backend, h, blocks, timeout_s=timeout)
                 self.counters.imported += 1
-                await asyncio.to_thread(self._notify, req, Release(req.request_id, h.lease_id))
+                await asyncio.to_thread(release_lease, h, timeout)
                 return blocks
-            except TransferError as e:
-                reason, detail = RejectReason.TRANSFER_FAILED, str(e)
+        except (TransferError, LayoutMismatch) as e:
+            reason, detail = _reason(e), str(e)
+            if blocks is not None:
                 ids = blocks
-                await self.aengine.call(lambda: engine.release_blocks(ids))
+                await self.aengine.call(lambda: eng.release_blocks(ids))
         # Every failure path frees the prefill side at once.
         if reason == RejectReason.NO_FREE_BLOCKS:
             self.counters.rejected += 1
         else:
             self.counters.failed += 1
-        await asyncio.to_thread(self._notify, req, Reject(req.request_id, h.lease_id, str(reason)))
-        if self.cfg.transfer.on_failure == "recompute" and reason != RejectReason.LAYOUT_MISMATCH:
+        await asyncio.to_thread(reject_lease, h, reason, timeout)
+        if self.transfer.on_failure == "recompute" and reason not in _NEVER_RECOMPUTE:
             self.counters.recomputed += 1
             log.warning("recomputing %s after failed import: %s", req.request_id, detail)
             return None
-        raise ImportFailed(str(reason), detail)
+        raise ImportFailed(reason.value, detail)
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[list[RequestOutput]]:
-        engine = self.aengine.engine
+        eng = self.aengine.engine
         blocks = await self._import(req)
 
         def start():
             try:
-                engine.add_imported_request(
-                    req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, blocks,
-                    0,
+                eng.add_imported_request(
+                    req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, blocks
                 )
             except Exception:
                 if blocks is not None:
-                    engine.release_blocks(blocks)
+                    eng.release_blocks(blocks)
                 raise
 
         stream = await self.aengine.add(req.request_id, start)

@@ -16,9 +16,13 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+import torch
+
+from engine.config import EngineConfig, Role
 from engine.engine import Engine
 from engine.kv_events import KVEvent
 from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -157,3 +161,24 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
+
+
+def start_engine(cfg: EngineConfig, role: Role, threads: int) -> AsyncEngine:
+    """A replica's engine on its own thread, warmed up: /ready means one request ran."""
+    # Ray starts actors with OMP_NUM_THREADS=1; the pool's setting decides instead.
+    torch.set_num_threads(threads)
+    engine = Engine(cfg, role=role)
+    aengine = AsyncEngine(engine)
+    aengine.submit(lambda: _warm_up(engine)).result()
+    return aengine
+
+
+def _warm_up(engine: Engine) -> None:
+    """One tiny request through the whole step path, then an empty prefix cache."""
+    rid = engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0), request_id="warmup")
+    while engine.has_unfinished():
+        engine.step()
+    export = engine.take_export(rid)
+    if export is not None:
+        engine.release_blocks(export.block_ids)
+    engine.block_pool.reset_prefix_cache()

@@ -7,11 +7,11 @@ at construction, and name the offending field.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Role = Literal["aggregated", "prefill", "decode"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -89,35 +89,32 @@ def resolve_device(name: str) -> str:
     return name
 
 
-@dataclass
-class EngineConfig:
-    """What an operator chooses for one engine (one replica)."""
+class EngineConfig(BaseModel):
+    """What an operator chooses for one engine (one replica); the `engine:` section
+    of the cluster config. Validated at construction; errors name the field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = DEFAULT_MODEL
+    # The name the OpenAI API serves the model under (default: the checkpoint's id).
+    served_model_name: str | None = None
     dtype: DTypeName = "auto"
     device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    block_size: int = Field(16, gt=0)
+    max_num_seqs: int = Field(32, gt=0)
+    max_num_batched_tokens: int = Field(512, gt=0)
+    max_model_len: int = Field(2048, gt=0)
     # KV pool size: blocks if set, else bytes, else enough for max_num_seqs full sequences.
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = Field(None, ge=2)
+    kv_cache_bytes: int | None = Field(None, gt=0)
     enable_prefix_caching: bool = True
-    num_threads: int | None = None
-    seed: int = 0
-    extra: dict = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
-        for name in positive:
-            if int(getattr(self, name)) <= 0:
-                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
-            raise ConfigError("num_kv_blocks", f"must be >= 2, got {self.num_kv_blocks}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-            raise ConfigError("kv_cache_bytes", f"must be > 0, got {self.kv_cache_bytes}")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ConfigError("num_threads", f"must be > 0, got {self.num_threads}")
-        if self.num_threads is None and os.environ.get("DUET_NUM_THREADS"):
-            self.num_threads = int(os.environ["DUET_NUM_THREADS"])
+    @model_validator(mode="after")
+    def _limits(self) -> EngineConfig:
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be >= block_size")
+        return self
+
+    def replace(self, **changes) -> EngineConfig:
+        """A validated copy with `changes` applied."""
+        return EngineConfig.model_validate({**self.model_dump(), **changes})

@@ -10,25 +10,25 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk, build_decode_mask
 from engine.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig, Role, resolve_device, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, num_blocks_for
 from engine.kv_cache_manager import KVCacheManager
-from engine.external_kv import ExternalKVCache
+from engine.external_kv import ExternalKVCache, check_chunk_size
+from engine.hashing import model_fingerprint
 from engine.kv_events import KVEvent
 from engine.model import LlamaModel
+from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequest, SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.tokenizer import load_tokenizer
 from engine.weights import load_checkpoint, resolve_checkpoint
 
@@ -54,6 +54,13 @@ class GenerationResult:
     num_cached_tokens: int
 
 
+def expected_model_fingerprint(cfg: EngineConfig) -> str:
+    """`Engine.model_fingerprint` of an engine built from `cfg`, without loading it
+    (routers hash prompts with it before any replica reports its own)."""
+    dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+    return model_fingerprint(resolve_checkpoint(cfg.model).model_id, dtype)
+
+
 class Engine:
     """Owns the model, the KV cache, the block pool and the scheduler of one replica."""
 
@@ -62,8 +69,6 @@ class Engine:
         cfg = cfg or EngineConfig()
         self.cfg = cfg
         self.role = role
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.checkpoint = resolve_checkpoint(cfg.model)
@@ -86,6 +91,7 @@ class Engine:
 
         num_blocks = num_blocks_for(cfg, model_cfg, self.dtype)
         self.kv_cache = KVCache(model_cfg, num_blocks, cfg.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(model, self.kv_cache, cfg.block_size)
         self.block_pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, cfg.block_size, self.model_fingerprint)
         self.scheduler = Scheduler(self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -108,16 +114,14 @@ class Engine:
     @property
     def model_fingerprint(self) -> str:
         """Part of every block hash: KV from another model or dtype never matches."""
-        return f"{self.checkpoint.model_id}|{str(self.dtype).removeprefix('torch.')}"
+        return model_fingerprint(self.checkpoint.model_id, self.dtype)
 
     # ------------------------------------------------------------ external KV
     def attach_external_kv(self, cache: ExternalKVCache | None) -> None:
         """Consult `cache` after the block pool on admission and give it each
         completed prompt's KV (engine/external_kv.py). Call between steps."""
-        if cache is not None and cache.chunk_size % self.cfg.block_size:
-            raise ConfigError(
-                "chunk_size", f"{cache.chunk_size} is not a multiple of block_size {self.cfg.block_size}"
-            )
+        if cache is not None:
+            check_chunk_size(cache.chunk_size, self.cfg.block_size)
         self.kv_manager.external = cache
 
     # ------------------------------------------------------------ admission
@@ -224,8 +228,7 @@ class Engine:
         if not sched:
             return outputs
         to_sample = [s.request for s in sched.scheduled if s.samples]
-        input_ids, positions, meta, logits_idx = self._prepare(sched)
-        logits = self.model.forward(input_ids, positions, meta, self.kv_cache.layers, logits_idx)
+        logits = self.runner.execute(sched)
         self.scheduler.commit(sched)
         self.num_steps += 1
         if to_sample:
@@ -233,58 +236,6 @@ class Engine:
             for req, tok, lp in zip(to_sample, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._append_token(req, tok, lp))
         return outputs
-
-    def _prepare(self, sched: SchedulerOutput):
-        bs = self.cfg.block_size
-        dev = self.device
-        ids: list[int] = []
-        pos: list[int] = []
-        decode_tables: list[list[int]] = []
-        context_lens: list[int] = []
-        for s in sched.decodes:
-            r = s.request
-            p = r.num_computed_tokens
-            ids.append(r.token_ids[p])
-            pos.append(p)
-            decode_tables.append(r.block_ids[: p // bs + 1])
-            context_lens.append(p + 1)
-        chunks: list[PrefillChunk] = []
-        start = len(ids)
-        for s in sched.prefills:
-            r, n, c = s.request, s.num_new_tokens, s.request.num_computed_tokens
-            ids.extend(r.token_ids[c : c + n])
-            pos.extend(range(c, c + n))
-            table = torch.tensor(r.block_ids[: -(-(c + n) // bs)], dtype=torch.long, device=dev)
-            chunks.append(PrefillChunk(start, n, c, table))
-            start += n
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-
-        # Slot of every new token: decode rows from their tables, prefill rows by chunk.
-        slot_blocks = torch.empty_like(positions)
-        d = len(sched.decodes)
-        if d:
-            slot_blocks[:d] = torch.tensor([t[-1] for t in decode_tables], dtype=torch.long, device=dev)
-        for ch in chunks:
-            p = positions[ch.token_start : ch.token_start + ch.num_tokens]
-            slot_blocks[ch.token_start : ch.token_start + ch.num_tokens] = ch.block_table[p // bs]
-        slot_offsets = positions % bs
-
-        tables = mask = None
-        if d:
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
-            lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
-            mask = build_decode_mask(lens, width * bs, torch.float32)
-        meta = AttentionMetadata(slot_blocks, slot_offsets, d, tables, mask, chunks)
-
-        logits_idx: list[int] = []
-        row = 0
-        for s in sched.scheduled:
-            row += s.num_new_tokens
-            if s.samples:
-                logits_idx.append(row - 1)
-        return input_ids, positions, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev)
 
     def _append_token(self, req: Request, token: int, logprob) -> RequestOutput:
         req.token_ids.append(token)
@@ -328,7 +279,7 @@ class Engine:
             new_token_ids=new_ids,
             text=text,
             finished=reason is not None,
-            finish_reason=None if reason is None else reason.value,
+            finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
@@ -338,21 +289,9 @@ class Engine:
         """Next-token logits at every position of `token_ids` ([n, vocab], fp32), in one
         prefill outside the scheduler; for reference checks and prompt logprobs."""
         self.validate_prompt(token_ids)
-        n = len(token_ids)
-        blocks = self.block_pool.allocate(self.kv_manager.blocks_needed(n))
+        blocks = self.block_pool.allocate(self.kv_manager.blocks_needed(len(token_ids)))
         try:
-            table = torch.tensor(blocks, dtype=torch.long, device=self.device)
-            positions = torch.arange(n, device=self.device)
-            meta = AttentionMetadata(
-                table[positions // self.cfg.block_size],
-                positions % self.cfg.block_size,
-                0,
-                None,
-                None,
-                [PrefillChunk(0, n, 0, table)],
-            )
-            ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-            return self.model.forward(ids, positions, meta, self.kv_cache.layers, positions)
+            return self.runner.score(token_ids, blocks)
         finally:
             self.block_pool.free(reversed(blocks))
 

@@ -32,3 +32,9 @@ class ExternalKVCache(Protocol):
 
     def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> None:
         """Keep the KV of the leading full chunks of `num_tokens` computed tokens."""
+
+
+def check_chunk_size(chunk_size: int, block_size: int) -> None:
+    """An external cache's chunks must hold whole blocks; raises ValueError otherwise."""
+    if chunk_size <= 0 or chunk_size % block_size:
+        raise ValueError(f"chunk_size {chunk_size} must be a positive multiple of block_size {block_size}")

@@ -40,3 +40,10 @@ def block_hashes(
         parent = hash_block(parent, token_ids[start : start + block_size], model_fingerprint)
         out.append(parent)
     return out
+
+
+def model_fingerprint(model_id: str, dtype: object) -> str:
+    """The hash salt of a model's blocks: KV from another model or dtype never matches.
+
+    `dtype` is a torch dtype or its name (``torch.float32`` or ``"float32"``)."""
+    return f"{model_id}|{str(dtype).removeprefix('torch.')}"

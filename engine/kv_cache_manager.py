@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
-from engine.external_kv import ExternalKVCache
+from engine.external_kv import ExternalKVCache, check_chunk_size
 from engine.hashing import ROOT_HASH, hash_block
 from engine.request import Request
 
@@ -56,8 +56,8 @@ class KVCacheManager:
         self.model_fingerprint = model_fingerprint
         self.external = external
         self.external_stats = ExternalKVStats()
-        if external is not None and external.chunk_size % block_size:
-            raise ValueError(f"external KV chunk_size {external.chunk_size} is not a multiple of block_size {block_size}")
+        if external is not None:
+            check_chunk_size(external.chunk_size, block_size)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

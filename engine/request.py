@@ -91,7 +91,7 @@ class RequestOutput:
     new_token_ids: list[int]
     text: str  # new text since the last output (stop strings already cut)
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int

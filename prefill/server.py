@@ -1,105 +1,78 @@
 """The prefill pool's Serve deployment.
 
-An `Engine` in prefill role computes each prompt (prefix cache first), samples the
-first token and leaves the request's blocks pinned. This replica then grants a
-**lease** on them and returns `PrefillResult(first_token, kv_handle)`. The lease
-ends exactly once: decode's `Release` (blocks stay as prefix cache), decode's
-`Reject` (freed at once), or expiry (a sweeper frees it after `lease_ttl_s`).
-
-With `cache` tiers configured, the engine looks a prompt up in LMCache (CPU,
-disk, Redis) after its own block pool and stores each new prompt's full chunks
-there (prefill/kv_tier.py through engine/external_kv.py). The replica publishes
-its block pool's KV events for the routers (prefill/kv_event_log.py).
+An `Engine` in prefill role computes each prompt (own prefix cache first, then the
+LMCache tiers when `cache:` turns them on), samples the first token and leaves the
+request's blocks pinned. The replica's `KVExporter` (kvtransfer/handoff.py) leases
+them on the engine thread the moment the request finishes, and `prefill` returns
+`PrefillResult(first_token, kv_handle)`. The lease ends exactly once: decode's
+`Release` (blocks stay as prefix cache), decode's `Reject` (freed at once), or expiry.
+The replica publishes its block pool's KV events for the routers
+(kvtransfer/events/publisher.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 
-from cluster.config import ClusterConfig
-from cluster.replica import node_ip, replica_id, start_engine
+from engine.async_engine import start_engine
+from engine.config import EngineConfig
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kvtransfer.backends import make_backend
-from kvtransfer.control import ControlMessage, ControlServer
-from kvtransfer.lease import LeaseTable
-from kvtransfer.messages import KVHandle, PrefillResult, Release
-from prefill.kv_event_log import KVEventLog
+from kvtransfer.config import TransferConfig
+from kvtransfer.events.config import PrefixIndexConfig
+from kvtransfer.events.publisher import KVEventPublisher
+from kvtransfer.handoff import KVExporter
+from kvtransfer.messages import PrefillResult
+from kvtransfer.replica import node_ip, replica_id
+from prefill.kv_tier.config import KVTierConfig
 
 log = logging.getLogger(__name__)
 
 
 class PrefillServer:
-    """Owns one prefill engine, its KV transfer backend, its leases and control port."""
+    """Owns one prefill engine, its KV tier, its handoff exporter and its event publisher.
 
-    def __init__(self, config: dict):
-        cfg = ClusterConfig.model_validate(config)
-        self.cfg = cfg
+    Constructor arguments are dumped settings (plain dicts, as Serve configs carry
+    them): `engine` an `EngineConfig`, `transfer` a `TransferConfig`, `cache` a
+    `KVTierConfig`, `prefix_index` a `PrefixIndexConfig`.
+    """
+
+    def __init__(self, engine: dict, threads: int, transfer: dict, cache: dict, prefix_index: dict):
+        engine_cfg = EngineConfig.model_validate(engine)
+        transfer_cfg = TransferConfig.model_validate(transfer)
+        tier_cfg = KVTierConfig.model_validate(cache)
         self.replica_id = replica_id()
-        self.aengine = start_engine(cfg, cfg.prefill, role="prefill")
-        engine = self.aengine.engine
+        self.aengine = start_engine(engine_cfg, "prefill", threads)
+        eng = self.aengine.engine
         self.tier = None
-        if cfg.cache.enabled:
-            from prefill.kv_tier import KVTier
+        if tier_cfg.enabled:
+            from prefill.kv_tier.tier import KVTier  # imports LMCache: only when a tier is on
 
-            self.tier = KVTier(cfg.cache.tier_config(), engine.kv_cache.data, engine.model_fingerprint)
-            self.aengine.submit(lambda: engine.attach_external_kv(self.tier)).result()
-        self.event_log = KVEventLog(cfg.engine.block_size, cfg.router.event_log_max_hashes)
-        self.redis_index = None
-        if cfg.router.prefix_index == "redis":
-            from routing.prefix_index import RedisPrefixIndex
+            self.tier = KVTier(tier_cfg, eng.kv_cache.data, eng.model_fingerprint)
+            self.aengine.submit(lambda: eng.attach_external_kv(self.tier)).result()
+        self.events = KVEventPublisher(
+            PrefixIndexConfig.model_validate(prefix_index), engine_cfg.block_size, self.replica_id,
+            self.aengine.take_kv_events,
+        )
+        backend = make_backend(transfer_cfg.backend, self.replica_id, eng.model_id)
+        backend.register(eng.kv_cache.data)
+        self.exporter = KVExporter(
+            backend, self.replica_id, self._free_blocks, lease_ttl_s=transfer_cfg.lease_ttl_s, host=node_ip()
+        )
+        eng.on_export = lambda export: self.exporter.grant(export.request_id, export.block_ids)
+        self._closed = False
+        log.info("prefill replica %s ready (backend %s)", self.replica_id, backend.name)
 
-            self.redis_index = RedisPrefixIndex(cfg.router.redis_url, key_prefix=cfg.router.index_key_prefix)
-        self._events_lock = threading.Lock()
-        self.backend = make_backend(cfg.transfer.backend, self.replica_id, engine.model_id)
-        self.backend.register(engine.kv_cache.data)
-        self.leases = LeaseTable(self._free_blocks, default_ttl_s=cfg.transfer.lease_ttl_s)
-        engine.on_export = lambda export: self.leases.grant(export.request_id, export.block_ids)
-        self.control = ControlServer(self._on_control)
-        self.control_address = (node_ip(), self.control.port)
-        self._stop = threading.Event()
-        self._sweeper = threading.Thread(target=self._sweep_leases, name="lease-sweeper", daemon=True)
-        self._sweeper.start()
-        self._publisher = threading.Thread(target=self._publish_events, name="kv-events", daemon=True)
-        self._publisher.start()
-        log.info("prefill replica %s ready (backend %s)", self.replica_id, self.backend.name)
-
-    # ------------------------------------------------------------ leases
     def _free_blocks(self, block_ids) -> None:
-        engine = self.aengine.engine
+        eng = self.aengine.engine
         ids = list(block_ids)
-        self.aengine.submit(lambda: engine.release_blocks(ids))
-
-    def _on_control(self, msg: ControlMessage) -> None:
-        if isinstance(msg, Release):
-            self.leases.release(msg.lease_id)
-        else:
-            self.leases.reject(msg.lease_id)
-
-    def _sweep_leases(self) -> None:
-        while not self._stop.wait(0.25):
-            for lease in self.leases.expire():
-                log.warning("lease %s of %s expired: blocks freed", lease.lease_id, lease.request_id)
-
-    # ------------------------------------------------------------ KV events
-    def _publish_events(self) -> None:
-        while not self._stop.wait(0.05):
-            self._drain_events()
-
-    def _drain_events(self) -> None:
-        with self._events_lock:
-            events = self.aengine.take_kv_events()
-            if not events:
-                return
-            self.event_log.extend(events)
-            if self.redis_index is not None:
-                self.redis_index.apply(self.replica_id, events)  # buffers and replays on outage
+        self.aengine.submit(lambda: eng.release_blocks(ids))
 
     def record_routing_stats(self) -> dict:
         """Read by Serve every `router.stats_period_s` and handed to every router."""
-        self._drain_events()
         s = self.aengine.stats
         out = {
             "queued_prefill_tokens": s["queued_prefill_tokens"],
@@ -109,94 +82,70 @@ class PrefillServer:
             "model_fingerprint": self.aengine.engine.model_fingerprint,
             "reported_at": time.time(),
         }
-        if self.redis_index is None:
-            out["kv_log"] = self.event_log.window()
+        window = self.events.window()
+        if window is not None:
+            out["kv_log"] = window
         return out
 
-    # ------------------------------------------------------------ requests
     async def prefill(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, session_id: str | None = None
     ) -> PrefillResult:
-        """`session_id` is a routing hint only (routing/request_router.py)."""
-        engine = self.aengine.engine
+        """`session_id` is a routing hint only (routing/router/serve_routers.py)."""
+        eng = self.aengine.engine
         stream = await self.aengine.add(
-            request_id, lambda: engine.add_request(prompt_token_ids, sampling, request_id=request_id)
+            request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id)
         )
         final = None
         async for outs in stream:
             final = outs[-1]
         assert final is not None and final.finished
-        if final.finish_reason == "abort":
+        if final.finish_reason == FinishReason.ABORT:
             raise asyncio.CancelledError(f"{request_id} aborted")
-        first = final.new_token_ids[0]
-        logprobs = final.logprobs[0] if final.logprobs else None
         handle = None
-        reason = final.finish_reason
-        if reason == "prefill_done":
-            lease = self.leases.lease_for(request_id)  # granted on the engine thread at finish
-            if lease is None:
-                raise RuntimeError(f"{request_id}: prefill finished but holds no lease")
-            handle = KVHandle(
-                request_id=request_id,
-                prefill_replica_id=self.replica_id,
-                backend=self.backend.name,
-                peer=self.backend.peer_info(),
-                block_ids=lease.block_ids,
-                num_tokens=final.num_prompt_tokens,
-                fingerprint=self.backend.fingerprint,
-                lease_id=lease.lease_id,
-                lease_expiry=lease.expiry,
-                control_address=self.control_address,
-            )
+        reason: FinishReason | None = final.finish_reason
+        if reason == FinishReason.PREFILL_DONE:
+            handle = self.exporter.handle_for(request_id, final.num_prompt_tokens)
             reason = None
         return PrefillResult(
             request_id=request_id,
-            first_token=first,
+            first_token=final.new_token_ids[0],
             kv_handle=handle,
             num_cached_tokens=final.num_cached_tokens,
             num_prompt_tokens=final.num_prompt_tokens,
-            first_token_logprobs=logprobs,
+            first_token_logprobs=final.logprobs[0] if final.logprobs else None,
             text=final.text,
             finish_reason=reason,
         )
 
     async def stats(self) -> dict:
-        counters = self.leases.counters()
         return {
             **self.aengine.stats,
             "replica_id": self.replica_id,
-            "leases_active": len(self.leases),
-            "leases_granted": counters.granted,
-            "leases_released": counters.released,
-            "leases_rejected": counters.rejected,
-            "leases_expired": counters.expired,
-            "kv_events_cached_blocks": self.event_log.num_cached,
-            "prefix_index_errors": self.redis_index.errors if self.redis_index is not None else 0,
+            **self.exporter.stats(),
+            **self.events.stats(),
             **(self.tier.as_dict() if self.tier is not None else {}),
         }
 
     async def kv_event_log(self):
         """This replica's event log window (non-destructive; routers keep cursors)."""
-        self._drain_events()
-        return self.event_log.window()
+        self.events.drain()
+        return self.events.log.window()
 
     async def check_health(self) -> None:
         self.aengine.check_health()
 
     def shutdown(self) -> None:
-        """Stop threads, the engine, then close the tier (bounded: see kv_tier.close)."""
-        if self._stop.is_set():
+        """Stop the control port, transfers and engine, then the tier (bounded: see KVTier.close)."""
+        if self._closed:
             return
-        self._stop.set()
-        for close in (self.control.close, self.backend.close, self.aengine.shutdown):
+        self._closed = True
+        for close in (self.exporter.close, self.exporter.backend.close, self.aengine.shutdown, self.events.close):
             try:
                 close()
             except Exception:
                 log.exception("prefill shutdown step failed")
         if self.tier is not None:
             self.tier.close()
-        if self.redis_index is not None:
-            self.redis_index.close()
 
     def __del__(self):
         try:

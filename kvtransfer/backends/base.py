@@ -9,7 +9,6 @@ on flags, never on backend names.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -95,17 +94,11 @@ class TransferMetrics:
 class KVTransferBackend(ABC):
     """Strategy for moving KV blocks between replicas; owns its connections and registrations.
 
-    Capability flags (class attributes):
-      ``one_sided``: decode reads without the prefill process's CPU taking part.
-      ``needs_peer_send``: each pull is served by a send on the prefill side. The
-        backend's own responder thread does it (started by ``register``); the prefill
-        replica must stay up and responsive until its leases end.
+    Capability flag (class attribute), checked by ``register``:
       ``supports_cuda``: a KV tensor on a CUDA device can be registered.
     """
 
     name: str = ""
-    one_sided: bool = False
-    needs_peer_send: bool = False
     supports_cuda: bool = False
 
     def __init__(self, replica_id: str, model_id: str) -> None:
@@ -169,16 +162,6 @@ class KVTransferBackend(ABC):
             raise
         self.metrics.record(stats)
         return stats
-
-    async def pull_async(
-        self,
-        peer: PeerInfo,
-        remote_block_ids: Sequence[int],
-        local_block_ids: Sequence[int],
-        timeout_s: float,
-    ) -> TransferStats:
-        """``pull`` off the event loop: it blocks (polling or waiting) for up to ``timeout_s``."""
-        return await asyncio.to_thread(self.pull, peer, remote_block_ids, local_block_ids, timeout_s)
 
     @abstractmethod
     def _pull(

@@ -67,8 +67,6 @@ class NixlBackend(KVTransferBackend):
     """Owns this replica's NIXL agent, its KV registration and its remote peers."""
 
     name = "nixl"
-    one_sided = True
-    needs_peer_send = False
     supports_cuda = True
 
     def __init__(

@@ -110,11 +110,13 @@ class _Pair:
 
 
 class TorchBackend(KVTransferBackend):
-    """Owns this replica's TCPStore (prefill side), responder thread and pairwise groups."""
+    """Owns this replica's TCPStore (prefill side), responder thread and pairwise groups.
+
+    Two-sided: each pull is served by a send from the prefill replica's responder
+    thread (started by ``register``), so that replica must stay up until its leases end.
+    """
 
     name = "torch"
-    one_sided = False
-    needs_peer_send = True
     supports_cuda = True
 
     def __init__(

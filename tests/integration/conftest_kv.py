@@ -150,12 +150,20 @@ def prefill_handle():
 async def prefill_direct(handle, ids: list[int], session: str | None = None, rid: str | None = None):
     """One prefill through the pool's router; the lease is rejected at once."""
     from engine.sampling_params import SamplingParams
-    from routing.pipeline import _reject
 
     rid = rid or f"t-{random.getrandbits(48):x}"
     result = await handle.prefill.remote(rid, ids, SamplingParams(max_tokens=4, temperature=0), session_id=session)
-    _reject(result, "test")
+    reject_now(result)
     return result
+
+
+def reject_now(result) -> None:
+    """Free a prefill result's lease at once (nobody will pull it)."""
+    from kvtransfer.handoff import reject_lease
+    from kvtransfer.messages import RejectReason
+
+    if result.kv_handle is not None:
+        reject_lease(result.kv_handle, RejectReason.CLIENT_DISCONNECTED, timeout_s=5.0)
 
 
 def kill_replicas(deployment: str) -> list[str]:

@@ -62,18 +62,18 @@ def _replica(result) -> str:
 
 
 def _index():
-    from routing.prefix_index import RedisPrefixIndex
+    from kvtransfer.events.prefix_index import RedisPrefixIndex
 
     return RedisPrefixIndex(f"redis://127.0.0.1:{REDIS_PORT}/0", key_prefix="duet:test-routing")
 
 
 def _hashes(ids):
-    from cluster.app import model_fingerprint
     from cluster.config import ClusterConfig
+    from engine.engine import expected_model_fingerprint
     from engine.hashing import block_hashes
 
     cfg = ClusterConfig.model_validate(base_config(1))
-    return block_hashes(ids, 16, model_fingerprint(cfg))
+    return block_hashes(ids, 16, expected_model_fingerprint(cfg.engine))
 
 
 def _wait_indexed(ids, replica: str, timeout: float = 10.0) -> None:
@@ -134,14 +134,15 @@ def test_a_restarted_router_keeps_routing_by_prefix(app):
         from ray import serve as srv
 
         from engine.sampling_params import SamplingParams
-        from routing.pipeline import _reject
+        from kvtransfer.handoff import reject_lease
+        from kvtransfer.messages import RejectReason
 
         async def go():
             h = srv.get_deployment_handle("prefill", app_name)
             out = []
             for i in range(3):
                 r = await h.prefill.remote(f"fresh-{i}", ids + [100 + i] * 17, SamplingParams(max_tokens=2))
-                _reject(r, "test")
+                reject_lease(r.kv_handle, RejectReason.CLIENT_DISCONNECTED, timeout_s=5.0)
                 out.append(r.kv_handle.prefill_replica_id)
             return out
 

@@ -16,7 +16,8 @@ import torch
 
 pytest.importorskip("lmcache", reason="LMCache not installed (see scripts/setup.sh)")
 
-from prefill.kv_tier import KVTier, KVTierConfig  # noqa: E402
+from prefill.kv_tier.config import KVTierConfig  # noqa
+from prefill.kv_tier.tier import KVTier  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -107,7 +108,7 @@ def test_config_validation():
         KVTierConfig(disk_path="/tmp/x")
     with pytest.raises(ValueError, match="redis_url"):
         KVTierConfig(redis_url="http://x")
-    with pytest.raises(ValueError, match="multiple of the block size"):
+    with pytest.raises(ValueError, match="multiple of block_size"):
         KVTier(KVTierConfig(cpu_bytes=1 << 20, chunk_size=24), make_kv(), FP)
     with pytest.raises(ValueError, match="at least one tier"):
         KVTier(KVTierConfig(), make_kv(), FP)

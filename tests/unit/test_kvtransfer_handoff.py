@@ -17,7 +17,6 @@ class InProcessBackend(KVTransferBackend):
     """Copies between tensors of one process; ``fail`` makes the next pull fail."""
 
     name = "inproc"
-    one_sided = True
 
     def __init__(self, replica_id, model_id):
         super().__init__(replica_id, model_id)
@@ -106,9 +105,3 @@ def test_failed_pull_counts_a_failure(world):
     with pytest.raises(PeerDisconnected):
         pull_kv(decode, handle, [0, 1, 2], clock=clock)
     assert decode.metrics.snapshot().failures == 1
-
-
-async def test_pull_async_runs_off_the_loop(world):
-    clock, _, _, pkv, decode, dkv, _, handle = world
-    await decode.pull_async(handle.peer, handle.block_ids, [4, 5, 6], timeout_s=5)
-    assert torch.equal(dkv[[4, 5, 6]], pkv[[7, 3, 11]])

@@ -5,8 +5,6 @@ import pytest
 from kvtransfer.backends.base import PeerInfo, TransferMetrics, TransferStats
 from kvtransfer.layout import LayoutFingerprint
 from kvtransfer.messages import (
-    Abort,
-    AbortReason,
     DecodeRequest,
     KVHandle,
     PrefillResult,
@@ -42,7 +40,6 @@ def test_every_message_pickles():
         DecodeRequest("r1", list(range(40)), 42, {"temperature": 0.0}, h),
         Release("r1", "lease-1"),
         Reject("r1", "lease-1", RejectReason.NO_FREE_BLOCKS),
-        Abort("r1", AbortReason.CLIENT_DISCONNECTED),
     ]
     for msg in msgs:
         assert pickle.loads(pickle.dumps(msg)) == msg

@@ -14,7 +14,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import ValidationError
 
-from routing.openai_errors import (
+from routing.openai.errors import (
     APIError,
     context_length_exceeded,
     from_validation_error,
@@ -24,14 +24,14 @@ from routing.openai_errors import (
     not_ready,
     overloaded,
 )
-from routing.openai_protocol import (
+from routing.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
     parse_request,
 )
-from routing.openai_stream import (
+from routing.openai.stream import (
     SSE_DONE,
     ChatStream,
     CompletionStream,

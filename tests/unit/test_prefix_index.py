@@ -11,7 +11,7 @@ import pytest
 
 from engine.hashing import block_hashes
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from routing.prefix_index import (
+from kvtransfer.events.prefix_index import (
     InProcessPrefixIndex,
     PrefixIndex,
     RedisPrefixIndex,

@@ -9,14 +9,14 @@ import pytest
 
 from engine.hashing import block_hashes
 from engine.kv_events import BlockStored
-from routing.affinity import SessionAffinity
-from routing.cost import (
+from routing.router.affinity import SessionAffinity
+from routing.router.policy import (
     ReplicaSnapshot,
     RouterConfig,
     choose_decode,
     choose_prefill,
 )
-from routing.prefix_index import InProcessPrefixIndex
+from kvtransfer.events.prefix_index import InProcessPrefixIndex
 
 pytestmark = pytest.mark.unit
 
@@ -33,26 +33,26 @@ def test_prefix_goes_to_replica_holding_it():
     index = InProcessPrefixIndex()
     index.apply("b", [BlockStored(tuple(block_hashes(prompt, BS, FP)), None, 128)])
     snaps = [snap("a"), snap("b"), snap("c")]
-    d = choose_prefill(len(prompt) + 5, snaps, index.match(block_hashes(prompt, BS, FP)), RouterConfig(block_size=BS))
+    d = choose_prefill(len(prompt) + 5, snaps, index.match(block_hashes(prompt, BS, FP)), RouterConfig(), BS)
     assert (d.replica_id, d.cached_blocks, d.reason) == ("b", 8, "prefix")
 
 
 def test_load_outweighs_small_prefix():
-    cfg = RouterConfig(block_size=BS, imbalance_threshold=1e9)
+    cfg = RouterConfig(imbalance_threshold=1e9)
     snaps = [snap("a", queued=20 * BS), snap("b")]
-    d = choose_prefill(4 * BS, snaps, {"a": 4}, cfg)
+    d = choose_prefill(4 * BS, snaps, {"a": 4}, cfg, BS)
     assert d.replica_id == "b" and d.reason == "load"
 
 
 def test_imbalance_threshold_makes_load_decide():
     # 'a' holds the whole prompt but is far busier than 'b'.
     snaps = [snap("a", queued=100 * BS), snap("b")]
-    cfg = RouterConfig(block_size=BS, overlap_weight=10.0, imbalance_threshold=50)
-    d = choose_prefill(64 * BS, snaps, {"a": 64}, cfg)
+    cfg = RouterConfig(overlap_weight=10.0, imbalance_threshold=50)
+    d = choose_prefill(64 * BS, snaps, {"a": 64}, cfg, BS)
     assert (d.replica_id, d.reason) == ("b", "imbalance")
     # Below the threshold the prefix still wins.
-    cfg = RouterConfig(block_size=BS, overlap_weight=10.0, imbalance_threshold=200)
-    assert choose_prefill(64 * BS, snaps, {"a": 64}, cfg).replica_id == "a"
+    cfg = RouterConfig(overlap_weight=10.0, imbalance_threshold=200)
+    assert choose_prefill(64 * BS, snaps, {"a": 64}, cfg, BS).replica_id == "a"
 
 
 def _simulate_hot_prompt(cfg, index_learns: bool, n=400, seed=0):
@@ -69,7 +69,7 @@ def _simulate_hot_prompt(cfg, index_learns: bool, n=400, seed=0):
         prompt = system + [rng.randrange(1000) for _ in range(2 * BS)]
         hashes = block_hashes(prompt, BS, FP)
         snaps = [snap(r, queued=queued[r]) for r in ("a", "b")]
-        d = choose_prefill(len(prompt), snaps, index.match(hashes), cfg, rng=rng)
+        d = choose_prefill(len(prompt), snaps, index.match(hashes), cfg, BS, rng=rng)
         counts[d.replica_id] += 1
         queued[d.replica_id] += len(prompt) - d.cached_blocks * BS
         if index_learns:
@@ -83,7 +83,7 @@ def _simulate_hot_prompt(cfg, index_learns: bool, n=400, seed=0):
 @pytest.mark.parametrize("temperature", [0.0, 2.0])
 def test_hot_prompt_is_not_a_hot_spot(overlap_weight, temperature):
     cfg = RouterConfig(
-        block_size=BS, overlap_weight=overlap_weight, temperature=temperature, imbalance_threshold=48
+        overlap_weight=overlap_weight, temperature=temperature, imbalance_threshold=48
     )
     share = _simulate_hot_prompt(cfg, index_learns=True)
     assert max(share.values()) <= 0.70, share
@@ -91,43 +91,43 @@ def test_hot_prompt_is_not_a_hot_spot(overlap_weight, temperature):
 
 def test_without_imbalance_guard_a_heavy_overlap_weight_makes_a_hot_spot():
     # The contrast that shows the guard is what protects the test above.
-    cfg = RouterConfig(block_size=BS, overlap_weight=16.0, imbalance_threshold=1e9)
+    cfg = RouterConfig(overlap_weight=16.0, imbalance_threshold=1e9)
     assert _simulate_hot_prompt(cfg, index_learns=True)["a"] > 0.95
 
 
 def test_hot_prompt_never_learned_elsewhere_still_spills_over():
     # Even if 'b' never reports the prefix, it is not left idle while 'a' queues.
-    cfg = RouterConfig(block_size=BS, overlap_weight=8.0, imbalance_threshold=48)
+    cfg = RouterConfig(overlap_weight=8.0, imbalance_threshold=48)
     assert _simulate_hot_prompt(cfg, index_learns=False)["b"] > 0
 
 
 def test_temperature_zero_is_deterministic_with_stable_tie_break():
-    cfg = RouterConfig(block_size=BS, temperature=0.0)
+    cfg = RouterConfig(temperature=0.0)
     snaps = [snap("b"), snap("a"), snap("c")]
-    picks = {choose_prefill(64, snaps, {}, cfg).replica_id for _ in range(50)}
+    picks = {choose_prefill(64, snaps, {}, cfg, BS).replica_id for _ in range(50)}
     assert picks == {"a"}  # ties break on replica id, not list order
-    assert choose_prefill(64, list(reversed(snaps)), {}, cfg).replica_id == "a"
+    assert choose_prefill(64, list(reversed(snaps)), {}, cfg, BS).replica_id == "a"
 
 
 def test_softmax_sampling_is_seeded_and_spreads():
-    cfg = RouterConfig(block_size=BS, temperature=4.0)
+    cfg = RouterConfig(temperature=4.0)
     snaps = [snap("a"), snap("b", queued=2 * BS)]
     run = lambda seed: [  # noqa: E731
-        choose_prefill(64, snaps, {}, cfg, rng=random.Random(seed)).replica_id for _ in range(1)
+        choose_prefill(64, snaps, {}, cfg, BS, rng=random.Random(seed)).replica_id for _ in range(1)
     ]
     assert run(7) == run(7)
     rng = random.Random(1)
-    picks = Counter(choose_prefill(64, snaps, {}, cfg, rng=rng).replica_id for _ in range(400))
+    picks = Counter(choose_prefill(64, snaps, {}, cfg, BS, rng=rng).replica_id for _ in range(400))
     assert picks["a"] > picks["b"] > 0  # cheaper is likelier, not certain
 
 
 def test_session_affinity_is_a_hint_not_a_rule():
-    cfg = RouterConfig(block_size=BS, session_affinity_bonus=8, imbalance_threshold=1e9)
+    cfg = RouterConfig(session_affinity_bonus=8, imbalance_threshold=1e9)
     # Small load difference: the hint wins.
-    d = choose_prefill(64, [snap("a"), snap("b", queued=4 * BS)], {}, cfg, preferred_replica="b")
+    d = choose_prefill(64, [snap("a"), snap("b", queued=4 * BS)], {}, cfg, BS, preferred_replica="b")
     assert (d.replica_id, d.reason) == ("b", "affinity")
     # Large load difference: the hint loses.
-    d = choose_prefill(64, [snap("a"), snap("b", queued=40 * BS)], {}, cfg, preferred_replica="b")
+    d = choose_prefill(64, [snap("a"), snap("b", queued=40 * BS)], {}, cfg, BS, preferred_replica="b")
     assert d.replica_id == "a"
 
 
@@ -146,7 +146,7 @@ def test_session_affinity_table_lru_ttl_and_removal():
 
 
 def test_decode_by_free_kv_and_running():
-    cfg = RouterConfig(block_size=BS)
+    cfg = RouterConfig()
     snaps = [snap("a", running=4, free=90), snap("b", running=1, free=80), snap("c", running=0, free=9, total=10)]
     assert choose_decode(snaps, cfg, blocks_needed=10).replica_id == "b"  # c cannot fit
     assert choose_decode(snaps, cfg).replica_id == "c"
@@ -157,7 +157,7 @@ def test_decode_by_free_kv_and_running():
 def test_config_rejects_bad_fields():
     with pytest.raises(ValueError, match="temperature"):
         RouterConfig(temperature=-1)
-    with pytest.raises(ValueError, match="block_size"):
-        RouterConfig(block_size=0)
+    with pytest.raises(ValueError, match="imbalance_threshold"):
+        RouterConfig(imbalance_threshold=0)
     with pytest.raises(ValueError, match="no prefill replicas"):
-        choose_prefill(10, [], {}, RouterConfig())
+        choose_prefill(10, [], {}, RouterConfig(), BS)

@@ -1,8 +1,8 @@
 """A prefill replica's KV events, kept for the routers that mirror its prefix cache.
 
 The block pool emits `BlockStored` / `BlockRemoved` / `AllBlocksCleared`; this
-replica publishes them in one of two ways (routing/request_router.py explains
-the choice):
+replica publishes them in one of two ways (`router.prefix_index`; the routers'
+side is routing/router/serve_routers.py):
 
 - `KVEventLog` (``router.prefix_index: memory``): a sequence-numbered log the
   replica ships in its routing stats. Each router keeps its own cursor, so any

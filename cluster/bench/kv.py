@@ -1,6 +1,6 @@
 """Handoff cost per request: time, bytes and GB/s to move a prompt's KV blocks.
 
-    python -m kvtransfer.bench --json PATH [--runs 9] [--backends nixl,torch]
+    python -m cluster.bench.kv --json PATH [--runs 9] [--backends nixl,torch]
 
 Two OS processes on this host (the prefill peer is a child process), SmolLM2-135M's
 KV shape (30 layers, 3 KV heads, head_dim 64, bf16, block_size 16), prompts of

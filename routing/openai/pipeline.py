@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer import control
-from kvtransfer.messages import AbortReason, DecodeRequest, ImportFailed, PrefillResult, Reject, RejectReason
+from kvtransfer.handoff import reject_lease
+from kvtransfer.messages import DecodeRequest, ImportFailed, PrefillResult, RejectReason
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +32,8 @@ class UpstreamError(RuntimeError):
         self.capacity = capacity
 
 
-def _reject(result: PrefillResult, reason: str) -> None:
-    h = result.kv_handle
-    if h is not None and h.control_address is not None:
-        control.send(tuple(h.control_address), Reject(result.request_id, h.lease_id, reason), timeout_s=1.0)
+# A lease the gateway gives up is freed by its TTL anyway: never wait long to say so.
+_REJECT_TIMEOUT_S = 1.0
 
 
 @dataclass
@@ -57,7 +55,7 @@ async def disaggregated(
     session_id: str | None = None,
 ) -> AsyncIterator[list[RequestOutput]]:
     try:
-        # `session_id` is the router's affinity hint (routing/request_router.py).
+        # `session_id` is the router's affinity hint (routing/router/serve_routers.py).
         result: PrefillResult = await prefill_handle.prefill.remote(request_id, prompt_ids, sp, session_id=session_id)
     except asyncio.CancelledError:
         raise
@@ -99,7 +97,9 @@ async def disaggregated(
             raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
     finally:
         if not decode_started:  # nobody will pull this lease: free it now
-            await asyncio.to_thread(_reject, result, AbortReason.CLIENT_DISCONNECTED.value)
+            await asyncio.to_thread(
+                reject_lease, result.kv_handle, RejectReason.CLIENT_DISCONNECTED, _REJECT_TIMEOUT_S
+            )
 
 
 async def aggregated(handle, request_id: str, prompt_ids: list[int], sp: SamplingParams, timing: Timing):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible gateway: FastAPI ingress of the Serve application.
 
 It validates, renders the chat template, tokenizes (off the pools' engine loops),
-checks the context length, and runs the request's pipeline (routing/pipeline.py),
+checks the context length, and runs the request's pipeline (routing/openai/pipeline.py),
 streaming SSE chunks as output batches arrive. Errors are OpenAI-format JSON with
 the right status; an error after streaming began is sent as a final SSE event.
 """
@@ -10,23 +10,24 @@ the right status; an error after streaming began is sent as a final SSE event.
 import asyncio
 import logging
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from ray import serve
 
-from cluster.config import ClusterConfig
+from engine.config import EngineConfig
 from engine.tokenizer import load_tokenizer
-from routing import pipeline
-from routing.metrics import GatewayMetrics
-from routing.openai_errors import APIError, install_error_handlers, internal_error, model_not_found, overloaded
-from routing.openai_errors import invalid_request, not_ready
-from routing.openai_protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
-from routing.openai_protocol import make_response_id
-from routing.openai_stream import ChatStream, CompletionStream, build_chat_response, build_completion_response
-from routing.openai_stream import sse_error
+from engine.weights import served_model_name
+from routing.openai import pipeline
+from routing.openai.metrics import GatewayMetrics
+from routing.openai.errors import APIError, install_error_handlers, internal_error, model_not_found, overloaded
+from routing.openai.errors import invalid_request, not_ready
+from routing.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
+from routing.openai.protocol import make_response_id
+from routing.openai.stream import ChatStream, CompletionStream, build_chat_response, build_completion_response
+from routing.openai.config import GatewayConfig
+from routing.openai.stream import sse_error
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,15 @@ def _session(request: Request) -> str | None:
 class Gateway:
     """Owns the HTTP surface, the tokenizer and the handles to the pools."""
 
-    def __init__(self, config: dict, prefill=None, decode=None, aggregated=None):
-        self.cfg = ClusterConfig.model_validate(config)
-        self.model_name = self.cfg.served_model_name
-        self.max_model_len = self.cfg.engine.max_model_len
-        self.tokenizer = load_tokenizer(self.cfg.engine.model)
+    def __init__(self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None):
+        """`gateway` and `engine` are a dumped `GatewayConfig` and the pools' `EngineConfig`;
+        `aggregated` set means aggregated mode, else `prefill` and `decode` are the pools."""
+        self.cfg = GatewayConfig.model_validate(gateway)
+        self.engine_cfg = EngineConfig.model_validate(engine)
+        self.mode = "aggregated" if aggregated is not None else "disaggregated"
+        self.model_name = served_model_name(self.engine_cfg)
+        self.max_model_len = self.engine_cfg.max_model_len
+        self.tokenizer = load_tokenizer(self.engine_cfg.model)
         self.prefill, self.decode, self.aggregated = prefill, decode, aggregated
         self.metrics = GatewayMetrics()
         self.in_flight = 0
@@ -73,7 +78,7 @@ class Gateway:
             err = not_ready(f"pools not ready: {pipeline._short(e)}")
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         self._ready = True
-        return {"status": "ready", "model": self.model_name, "mode": self.cfg.mode}
+        return {"status": "ready", "model": self.model_name, "mode": self.mode}
 
     @app.get("/metrics")
     async def metrics(self):
@@ -94,7 +99,7 @@ class Gateway:
 
     @app.get("/v1/models")
     async def models(self):
-        card = ModelCard(id=self.model_name, root=self.cfg.engine.model, max_model_len=self.max_model_len)
+        card = ModelCard(id=self.model_name, root=self.engine_cfg.model, max_model_len=self.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     # ------------------------------------------------------------ generation
@@ -144,18 +149,18 @@ class Gateway:
         return resp.model_dump(exclude_none=True)
 
     def _check_model(self, model: str | None) -> None:
-        if model and model not in (self.model_name, self.cfg.engine.model):
+        if model and model not in (self.model_name, self.engine_cfg.model):
             raise model_not_found(model)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.convert_ids_to_tokens([token_id])[0]
 
     def _admit(self) -> None:
-        if self.in_flight >= self.cfg.gateway.max_pending_requests:
+        if self.in_flight >= self.cfg.max_pending_requests:
             raise overloaded(f"{self.in_flight} requests in flight; retry later")
 
     def _run(self, rid, ids, sp, timing, session=None):
-        if self.cfg.mode == "aggregated":
+        if self.aggregated is not None:
             return pipeline.aggregated(self.aggregated, rid, ids, sp, timing)
         return pipeline.disaggregated(self.prefill, self.decode, rid, ids, sp, timing, session)
 

@@ -19,8 +19,10 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from routing.openai_errors import APIError
-from routing.openai_protocol import (
+from engine.request import FinishReason
+
+from routing.openai.errors import APIError
+from routing.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
@@ -57,11 +59,11 @@ def token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def openai_finish_reason(reason: str | None) -> str | None:
+def openai_finish_reason(reason: FinishReason | None) -> str | None:
     """Engine finish reason as OpenAI's: `prefill_done` is not an end for the client."""
-    if reason is None or reason == "prefill_done":
+    if reason is None or reason == FinishReason.PREFILL_DONE:
         return None
-    return str(getattr(reason, "value", reason))
+    return FinishReason(reason).value
 
 
 @dataclass

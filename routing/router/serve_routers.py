@@ -6,7 +6,7 @@ handle to the pool (the gateway replicas, a test driver). For each pending
 ``prefill(request_id, prompt_token_ids, sampling, session_id=None)`` call it
 hashes the prompt (engine/hashing.py, with the pool's model fingerprint), asks the
 prefix index which replica holds the longest leading run, builds a
-`ReplicaSnapshot` per replica and lets the pure policy `routing.cost.choose_prefill`
+`ReplicaSnapshot` per replica and lets the pure policy `routing.router.policy.choose_prefill`
 decide. This module only gathers the snapshot and applies the decision.
 
 Where the numbers come from
@@ -24,7 +24,7 @@ Where the numbers come from
   chosen by ``router.prefix_index``:
 
   * ``memory`` (default): every replica keeps a sequence-numbered, compacting
-    event log (prefill/kv_event_log.py) and ships it in its routing stats. Each
+    event log (kvtransfer/events/log.py) and ships it in its routing stats. Each
     router applies the events after its own cursor to its own in-process index.
     Nothing is consumed, so any number of gateway replicas can read the same log,
     and a restarted router replays from the last compaction and is exact again.
@@ -44,7 +44,7 @@ kwarg; the replica the session last used gets a cost bonus (a hint: load and
 the imbalance guard still win).
 
 `KVAwareDecodeRouter` chooses a decode replica by free KV blocks and running
-sequences (`routing.cost.choose_decode`), with the same local in-flight
+sequences (`routing.router.policy.choose_decode`), with the same local in-flight
 correction.
 """
 
@@ -60,9 +60,10 @@ from dataclasses import dataclass, field
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from engine.hashing import block_hashes
-from routing.affinity import SessionAffinity
-from routing.cost import ReplicaSnapshot, RouterConfig, choose_decode, choose_prefill
-from routing.prefix_index import InProcessPrefixIndex, PrefixIndex, RedisPrefixIndex
+from routing.router.affinity import SessionAffinity
+from kvtransfer.events.log import events_after
+from kvtransfer.events.prefix_index import PrefixIndex, make_prefix_index
+from routing.router.policy import ReplicaSnapshot, RouterConfig, choose_decode, choose_prefill
 
 log = logging.getLogger("ray.serve")
 
@@ -92,7 +93,8 @@ class _LoadTracking:
 
     def _init_tracking(self) -> None:
         self._inflight: dict[str, _InFlight] = {}
-        self._planned: dict[str, tuple[str, int, int]] = {}  # internal id -> (replica, tokens, as counted there)
+        # internal id -> (replica, tokens, as counted there, decided at): chosen, not yet sent
+        self._planned: dict[str, tuple[str, int, int, float]] = {}
         self._sent: dict[str, tuple[float, int]] = {}  # internal id -> (sent at, as the replica counts it)
         # Per replica: (sent_at, done_at, tokens) of requests this router saw finish
         # recently. A replica's report taken at `reported_at` still counts those sent
@@ -103,25 +105,40 @@ class _LoadTracking:
     def _load(self, key: str, r: RunningReplica, tokens_stat: str, requests_stat: str) -> tuple[int, int]:
         """(tokens, requests) queued on a replica: its last report, less what this
         router has seen finish since the report, and never less than what this router
-        has in flight there now."""
-        flight = self._inflight.get(key)
+        has in flight there now, decided-but-not-yet-sent requests included (a burst
+        of decisions must see the ones just before it)."""
         at = float(_stat(r, "reported_at", 0.0))
         stale = [t for sent, done, t in self._completed.get(key, ()) if sent <= at < done]
         tokens = int(_stat(r, tokens_stat)) - sum(stale) if tokens_stat else 0
         requests = int(_stat(r, requests_stat)) - len(stale)
-        local_tokens = flight.num_tokens if flight else 0
-        local_requests = len(flight.tokens) if flight else 0
+        local_tokens, local_requests = self._local(key)
         return max(tokens, local_tokens), max(requests, local_requests)
+
+    def _local(self, key: str) -> tuple[int, int]:
+        """(tokens, requests) this router sent or decided to send to `key`."""
+        flight = self._inflight.get(key)
+        tokens = flight.num_tokens if flight else 0
+        requests = len(flight.tokens) if flight else 0
+        horizon = time.monotonic() - _COMPLETED_WINDOW_S
+        for planned_key, planned_tokens, _, at in self._planned.values():
+            if planned_key == key and at > horizon:  # older: a request cancelled before it was sent
+                tokens += planned_tokens
+                requests += 1
+        return tokens, requests
 
     def _plan(self, pr: PendingRequest, key: str, tokens: int, counted: int | None = None) -> None:
         """`tokens`: work this request adds; `counted`: what the replica's report
         counts for it while queued (a prefill replica counts the whole prompt)."""
-        self._planned[pr.metadata.internal_request_id] = (key, tokens, tokens if counted is None else counted)
+        now = time.monotonic()
+        for rid in [rid for rid, p in self._planned.items() if now - p[3] > _COMPLETED_WINDOW_S]:
+            del self._planned[rid]  # decided, never sent (cancelled first)
+        counted = tokens if counted is None else counted
+        self._planned[pr.metadata.internal_request_id] = (key, tokens, counted, now)
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         rid = pending_request.metadata.internal_request_id
         key = replica_key(replica_id)
-        planned_key, tokens, counted = self._planned.pop(rid, (key, 0, 0))
+        planned_key, tokens, counted, _ = self._planned.pop(rid, (key, 0, 0, 0.0))
         self._inflight.setdefault(key, _InFlight()).tokens[rid] = tokens if planned_key == key else 0
         self._sent[rid] = (time.time(), counted)
 
@@ -153,32 +170,15 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
     """Owns one process's view of the prefill pool: prefix index, affinity, in-flight load."""
 
     def initialize_state(
-        self,
-        block_size: int = 16,
-        model_fingerprint: str = "",
-        overlap_weight: float = 1.0,
-        running_weight: float = 1.0,
-        temperature: float = 0.0,
-        imbalance_threshold: float = 64.0,
-        session_affinity_bonus: float = 8.0,
-        prefix_index: str = "memory",
-        redis_url: str = "redis://127.0.0.1:6390/0",
-        index_key_prefix: str = "duet:prefix",
-        seed: int | None = None,
+        self, config: dict | None = None, block_size: int = 16, model_fingerprint: str = "", seed: int | None = None
     ) -> None:
-        self.config = RouterConfig(
-            block_size=block_size,
-            overlap_weight=overlap_weight,
-            running_weight=running_weight,
-            temperature=temperature,
-            imbalance_threshold=imbalance_threshold,
-            session_affinity_bonus=session_affinity_bonus,
-        )
+        """`config` is a dumped `RouterConfig`; `block_size` and `model_fingerprint` are
+        the pool engine's, so the router hashes prompts as the replicas do."""
+        self.config = RouterConfig.model_validate(config or {})
+        self.block_size = block_size
         self.model_fingerprint = model_fingerprint
-        self.index_kind = prefix_index
-        self.index: PrefixIndex = (
-            RedisPrefixIndex(redis_url, key_prefix=index_key_prefix) if prefix_index == "redis" else InProcessPrefixIndex()
-        )
+        self.index_kind = self.config.prefix_index
+        self.index: PrefixIndex = make_prefix_index(self.config)
         self.affinity = SessionAffinity()
         self._rng = random.Random(seed)
         self._cursors: dict[str, tuple[str, int]] = {}
@@ -214,8 +214,6 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
                 self._apply_log(key, _stat(r, "kv_log", None))
 
     def _apply_log(self, key: str, window) -> None:
-        from prefill.kv_event_log import events_after
-
         if window is None:
             return
         events, restarted = events_after(window, self._cursors.get(key))
@@ -255,7 +253,7 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
         # Let completion callbacks already queued on this loop run first, so a request
         # that just finished is not counted as load.
         await asyncio.sleep(0)
-        hashes = block_hashes(prompt, self.config.block_size, self.model_fingerprint)
+        hashes = block_hashes(prompt, self.block_size, self.model_fingerprint)
         if self.index_kind == "redis":
             matched = await asyncio.to_thread(self.index.match, hashes)
         else:
@@ -264,11 +262,11 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
         snapshots = [self._snapshot(k, r) for k, r in by_key.items()]
         session = pending_request.kwargs.get("session_id")
         decision = choose_prefill(
-            len(prompt), snapshots, matched, self.config, self.affinity.get(session), self._rng
+            len(prompt), snapshots, matched, self.config, self.block_size, self.affinity.get(session), self._rng
         )
         self.decisions[decision.reason] += 1
         self.affinity.record(session, decision.replica_id)
-        to_compute = len(prompt) - decision.cached_blocks * self.config.block_size
+        to_compute = len(prompt) - decision.cached_blocks * self.block_size
         self._plan(pending_request, decision.replica_id, to_compute, len(prompt))
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
         rest.sort(key=lambda r: self._snapshot(replica_key(r.replica_id), r).queued_prefill_tokens)
@@ -278,9 +276,9 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
 class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
     """Chooses a decode replica by free KV blocks and running sequences."""
 
-    def initialize_state(self, block_size: int = 16, decode_kv_weight: float = 4.0, temperature: float = 0.0,
-                         seed: int | None = None) -> None:
-        self.config = RouterConfig(block_size=block_size, decode_kv_weight=decode_kv_weight, temperature=temperature)
+    def initialize_state(self, config: dict | None = None, block_size: int = 16, seed: int | None = None) -> None:
+        self.config = RouterConfig.model_validate(config or {})
+        self.block_size = block_size
         self._rng = random.Random(seed)
         self._init_tracking()
 
@@ -298,13 +296,12 @@ class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
         handle = _kv_handle(pending_request)
         if handle is None:
             return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
-        need = -(-handle.num_tokens // self.config.block_size) + 1
+        need = -(-handle.num_tokens // self.block_size) + 1
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         snapshots = []
         for key, r in by_key.items():
-            flight = self._inflight.get(key)
             _, running = self._load(key, r, "", "num_running")
-            pending_blocks = flight.num_tokens if flight else 0  # sent, maybe not yet imported
+            pending_blocks, _ = self._local(key)  # sent or about to be, maybe not yet imported
             snapshots.append(
                 ReplicaSnapshot(
                     replica_id=key,

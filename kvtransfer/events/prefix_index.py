@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from engine.hashing import BlockHash
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvtransfer.events.config import PrefixIndexConfig
 
 log = logging.getLogger(__name__)
 
@@ -325,3 +326,10 @@ class RedisPrefixIndex(PrefixIndex):
             self._client.close()
         except self._redis_errors:
             pass
+
+
+def make_prefix_index(cfg: PrefixIndexConfig) -> PrefixIndex:
+    """The index `cfg` names: a fresh in-process one, or a client of the shared Redis one."""
+    if cfg.prefix_index == "redis":
+        return RedisPrefixIndex(cfg.redis_url, key_prefix=cfg.index_key_prefix)
+    return InProcessPrefixIndex()

@@ -3,7 +3,7 @@
 The deployment gathers `ReplicaSnapshot`s (from the replicas' routing stats) and
 the prefix index's `match()` result, calls `choose_prefill` / `choose_decode`,
 and applies the `RoutingDecision`. Nothing here does I/O or holds state, so the
-policy is unit-tested in milliseconds (STYLE.md §3).
+policy is unit-tested in milliseconds.
 
 Prefill cost per replica, in units of KV blocks:
 
@@ -21,6 +21,11 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field
+
+from kvtransfer.events.config import PrefixIndexConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,38 +39,26 @@ class ReplicaSnapshot:
     total_kv_blocks: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    """Router knobs; validated once at construction (names the bad field)."""
+class RouterConfig(PrefixIndexConfig):
+    """The cluster config's `router:` section: the policy's weights, how often replicas
+    report, and (inherited) where the prefix index lives."""
 
-    block_size: int = 16
+    # kv_aware: the routers below; default: Serve's power-of-two choices.
+    policy: Literal["kv_aware", "default"] = "kv_aware"
     # Cost of one block to compute, relative to one block of queued prefill.
-    overlap_weight: float = 1.0
+    overlap_weight: float = Field(1.0, ge=0, allow_inf_nan=False)
     # Load added per running request, in blocks.
-    running_weight: float = 1.0
+    running_weight: float = Field(1.0, ge=0, allow_inf_nan=False)
     # Softmax temperature over -cost; 0 = argmin with a stable tie-break.
-    temperature: float = 0.0
+    temperature: float = Field(0.0, ge=0, allow_inf_nan=False)
     # Load spread (blocks) beyond which load alone decides.
-    imbalance_threshold: float = 64.0
+    imbalance_threshold: float = Field(64.0, gt=0)
     # Cost reduction (blocks) for the replica a session last used.
-    session_affinity_bonus: float = 8.0
+    session_affinity_bonus: float = Field(8.0, ge=0, allow_inf_nan=False)
     # Decode: cost of a fully used KV pool, in running sequences.
-    decode_kv_weight: float = 4.0
-
-    def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ValueError(f"RouterConfig.block_size must be > 0, got {self.block_size}")
-        for name in (
-            "overlap_weight",
-            "running_weight",
-            "temperature",
-            "imbalance_threshold",
-            "session_affinity_bonus",
-            "decode_kv_weight",
-        ):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"RouterConfig.{name} must be finite and >= 0, got {value}")
+    decode_kv_weight: float = Field(4.0, ge=0, allow_inf_nan=False)
+    # How often each replica reports its load (and, for `memory`, its KV event log).
+    stats_period_s: float = Field(0.25, gt=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +72,10 @@ class RoutingDecision:
     reason: str
 
 
-def prefill_load(snapshot: ReplicaSnapshot, config: RouterConfig) -> float:
+def prefill_load(snapshot: ReplicaSnapshot, config: RouterConfig, block_size: int) -> float:
     """Queued prefill work in blocks plus a charge per running request."""
     return (
-        snapshot.queued_prefill_tokens / config.block_size
+        snapshot.queued_prefill_tokens / block_size
         + config.running_weight * snapshot.running_requests
     )
 
@@ -92,11 +85,12 @@ def prefill_costs(
     snapshots: Sequence[ReplicaSnapshot],
     cached_blocks: Mapping[str, int],
     config: RouterConfig,
+    block_size: int,
     preferred_replica: str | None = None,
 ) -> tuple[list[float], bool]:
     """Cost of each snapshot, and whether the imbalance guard fired."""
-    prompt_blocks = -(-num_prompt_tokens // config.block_size)
-    loads = [prefill_load(s, config) for s in snapshots]
+    prompt_blocks = -(-num_prompt_tokens // block_size)
+    loads = [prefill_load(s, config, block_size) for s in snapshots]
     imbalanced = len(loads) > 1 and max(loads) - min(loads) > config.imbalance_threshold
     if imbalanced:
         return loads, True
@@ -115,6 +109,7 @@ def choose_prefill(
     snapshots: Sequence[ReplicaSnapshot],
     cached_blocks: Mapping[str, int],
     config: RouterConfig,
+    block_size: int,
     preferred_replica: str | None = None,
     rng: random.Random | None = None,
 ) -> RoutingDecision:
@@ -126,11 +121,11 @@ def choose_prefill(
     if not snapshots:
         raise ValueError("choose_prefill: no prefill replicas")
     costs, imbalanced = prefill_costs(
-        num_prompt_tokens, snapshots, cached_blocks, config, preferred_replica
+        num_prompt_tokens, snapshots, cached_blocks, config, block_size, preferred_replica
     )
     i, sampled = _pick(costs, snapshots, config.temperature, rng)
     snap = snapshots[i]
-    cached = min(cached_blocks.get(snap.replica_id, 0), -(-num_prompt_tokens // config.block_size))
+    cached = min(cached_blocks.get(snap.replica_id, 0), -(-num_prompt_tokens // block_size))
     if imbalanced:
         reason = "imbalance"
     elif sampled:

@@ -1,6 +1,6 @@
 """Routing and KV-tier benchmark: two prefill replicas, two workloads, three setups.
 
-    python -m routing.bench_routing [--out bench_routing.json] [--quick]
+    python -m cluster.bench.routing [--out bench_routing.json] [--quick]
 
 Setups: Serve's default routing (power of two choices), the KV-aware router, and
 the KV-aware router with an LMCache CPU tier in each prefill replica. Workloads:

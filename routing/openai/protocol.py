@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
 from engine.sampling_params import InvalidRequest, SamplingParams
-from routing.openai_errors import context_length_exceeded, from_validation_error, invalid_request
+from routing.openai.errors import context_length_exceeded, from_validation_error, invalid_request
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

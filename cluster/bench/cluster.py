@@ -120,11 +120,14 @@ def bench_handoff(prompt_lens: list[int], requests: int, port: int) -> dict:
 
 def engine_ttft(prompt_len: int, repeats: int = 5) -> float:
     """The engine's own TTFT (ms, median) in-process: no HTTP, no Serve, no handoff."""
+    import torch
+
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
 
-    eng = Engine(EngineConfig(num_threads=1, enable_prefix_caching=False))
+    torch.set_num_threads(1)
+    eng = Engine(EngineConfig(enable_prefix_caching=False))
     ids = eng.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 200)[:prompt_len]
     sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     times = []

@@ -1,0 +1,23 @@
+"""Settings of the KV handoff (the cluster config's `transfer:` section)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvtransfer.lease import DEFAULT_LEASE_TTL_S
+
+
+class TransferConfig(BaseModel):
+    """How decode pulls a prefill replica's KV, and what happens when it cannot."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["nixl", "torch"] = "nixl"
+    # How long exported blocks stay pinned without an answer from decode.
+    lease_ttl_s: float = Field(DEFAULT_LEASE_TTL_S, gt=0)
+    # Bound on one pull and on one control message.
+    timeout_s: float = Field(10.0, gt=0)
+    # error: the request fails with a clear error; recompute: decode prefills it itself.
+    on_failure: Literal["error", "recompute"] = "error"

@@ -1,0 +1,27 @@
+"""Where a pool's KV events go and where routers read them (part of the cluster
+config's `router:` section; the prefill replicas publish, the routers consume)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class PrefixIndexConfig(BaseModel):
+    """The prefix index's transport: `memory` (event logs in routing stats) or `redis`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefix_index: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6390/0"
+    index_key_prefix: str = "duet:prefix"
+    # memory: compact a replica's event log once it has recorded this many hashes.
+    event_log_max_hashes: int = Field(4096, ge=16)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str) -> str:
+        if not url.startswith("redis://"):
+            raise ValueError("must start with redis://")
+        return url

@@ -1,0 +1,67 @@
+"""A replica's side of the prefix index: drain its block pool's KV events and publish
+them, to the event log its routing stats carry (`memory`) and, with `redis`, to the
+shared Redis index (one writer per replica)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from engine.kv_events import KVEvent
+from kvtransfer.events.config import PrefixIndexConfig
+from kvtransfer.events.log import KVEventLog, KVLogWindow
+from kvtransfer.events.prefix_index import RedisPrefixIndex
+
+# How often events are drained between routing-stats reports (which drain too).
+PUBLISH_INTERVAL_S = 0.05
+
+
+class KVEventPublisher:
+    """Owns one replica's event log, its Redis writer (if any) and the draining thread."""
+
+    def __init__(
+        self,
+        cfg: PrefixIndexConfig,
+        block_size: int,
+        replica_id: str,
+        take_events: Callable[[], list[KVEvent]],
+    ) -> None:
+        self.replica_id = replica_id
+        self.log = KVEventLog(block_size, cfg.event_log_max_hashes)
+        self.redis = (
+            RedisPrefixIndex(cfg.redis_url, key_prefix=cfg.index_key_prefix) if cfg.prefix_index == "redis" else None
+        )
+        self._take_events = take_events
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(PUBLISH_INTERVAL_S):
+            self.drain()
+
+    def drain(self) -> None:
+        with self._lock:
+            events = self._take_events()
+            if not events:
+                return
+            self.log.extend(events)
+            if self.redis is not None:
+                self.redis.apply(self.replica_id, events)  # buffers and replays on outage
+
+    def window(self) -> KVLogWindow | None:
+        """What the routing stats carry: the log window, or None when routers read Redis."""
+        self.drain()
+        return self.log.window() if self.redis is None else None
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "kv_events_cached_blocks": self.log.num_cached,
+            "prefix_index_errors": self.redis.errors if self.redis is not None else 0,
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.redis is not None:
+            self.redis.close()
