@@ -49,7 +49,7 @@ def cmd_generate(args) -> int:
 
 def cmd_bench(args, rest: list[str]) -> int:
     if args.target == "engine":
-        from engine import bench
+        from cluster.bench import engine as bench
 
         p = argparse.ArgumentParser(prog="duet bench engine")
         _add_engine_args(p)
@@ -73,6 +73,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from cluster.bench.cluster import main as cluster_main
 
         return cluster_main(rest)
+    if args.target == "routing":
+        from cluster.bench.routing import main as routing_main
+
+        return routing_main(rest)
     raise SystemExit(f"unknown bench target {args.target!r}")
 
 
@@ -92,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
-    b = sub.add_parser("bench", help="benchmarks: engine | serve | kv | cluster", add_help=False)
-    b.add_argument("target", choices=["engine", "serve", "kv", "cluster"])
+    b = sub.add_parser("bench", help="benchmarks: engine | serve | kv | cluster | routing", add_help=False)
+    b.add_argument("target", choices=["engine", "serve", "kv", "cluster", "routing"])
 
     sub.add_parser("plan", help="capacity planner (see `duet plan --help`)", add_help=False)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -127,7 +126,7 @@ class DecodeServer:
             "num_running": s["num_running"] + s["num_waiting"],
             "kv_blocks_free": s["kv_blocks_free"],
             "kv_blocks_total": s["kv_blocks_total"],
-            "reported_at": time.time(),
+            "request_ids": s["request_ids"],
         }
 
     async def stats(self) -> dict:

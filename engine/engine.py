@@ -299,7 +299,7 @@ class Engine:
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | list[str]]:
         pool = self.block_pool
         ext = self.kv_manager.external_stats
         return {
@@ -320,6 +320,8 @@ class Engine:
             "external_kv_errors": ext.errors,
             "prefix_cache_queried_tokens": pool.stats.queried_tokens,
             "prefix_cache_hit_tokens": pool.stats.hit_tokens,
+            # What the counts above count: routers take off the requests they saw finish.
+            "request_ids": [r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)],
         }
 
     # ------------------------------------------------------------ offline use

@@ -4,7 +4,7 @@
 prefix cache) and hands it the prompt's KV when the prompt's prefill completes.
 The engine owns the blocks; the external cache only reads or writes the blocks it
 is passed, during the call, on the engine thread. Implementations live outside
-`engine/` (prefill/kv_tier.py); this file only fixes the contract.
+`engine/` (prefill/kv_tier/tier.py); this file only fixes the contract.
 
 Granularity: an external cache works in chunks of `chunk_size` tokens (a multiple
 of the engine's block size); every hit and every load starts and ends on a chunk

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Integer fields become tensor elements (top_k, stop ids) or a generator seed: values
+# past these bounds would overflow inside a step and take the whole batch with them.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class InvalidRequest(ValueError):
@@ -39,29 +45,37 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise InvalidRequest("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise InvalidRequest("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _is_int(self.max_tokens) or not 0 < self.max_tokens <= INT32_MAX:
+            raise InvalidRequest("max_tokens", f"must be a positive 32-bit integer, got {self.max_tokens!r}")
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest("temperature", f"must be finite and >= 0, got {self.temperature!r}")
+        if not _is_finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidRequest("top_k", f"must be -1 (off) or >= 0, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise InvalidRequest("top_k", f"must be -1 (off) or a 32-bit integer >= 0, got {self.top_k!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+            if not _is_finite(v) or not -2.0 <= v <= 2.0:
                 raise InvalidRequest(name, f"must be in [-2, 2], got {v!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
-            raise InvalidRequest("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        if not _is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequest("repetition_penalty", f"must be finite and > 0, got {self.repetition_penalty!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest("stop", f"must be a non-empty string or a list of them, got {self.stop!r}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidRequest("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids", f"must be non-negative 32-bit integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise InvalidRequest("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequest("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise InvalidRequest("seed", f"must be a 64-bit integer, got {self.seed!r}")
 
     @property
     def needs_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -45,7 +45,7 @@ class KVSpec:
 
 
 def _serve(conn: Any, backend: str, spec: KVSpec, model_id: str, seed: int, backend_kw: dict) -> None:
-    torch.set_num_threads(1)  # copies with 2 threads on 2 cores were 10x slower (FINDINGS)
+    torch.set_num_threads(1)  # copies with 2 threads on 2 cores were 10x slower (measured)
     kv = spec.filled(seed)
     with make_backend(backend, "prefill", model_id, **backend_kw) as b:
         b.register(kv)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from engine.async_engine import start_engine
 from engine.config import EngineConfig
@@ -79,8 +78,8 @@ class PrefillServer:
             "num_running": s["num_running"] + s["num_waiting"],
             "kv_blocks_free": s["kv_blocks_free"],
             "kv_blocks_total": s["kv_blocks_total"],
+            "request_ids": s["request_ids"],
             "model_fingerprint": self.aengine.engine.model_fingerprint,
-            "reported_at": time.time(),
         }
         window = self.events.window()
         if window is not None:

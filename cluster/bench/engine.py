@@ -4,7 +4,7 @@ transformers `generate` on the same weights and dtype, measured in the same run.
 Points: decode at batch 1, 8 and 32 (output tokens/s over the whole generate call,
 `prompt_len`-token prompts, `output_len` forced output tokens), and prefill tokens/s
 for one 512-token prompt. Each figure is the median of `repeats` runs. Ceilings are
-FINDINGS.md's roofline estimates for this CPU (2 cores, Zen 4).
+rough roofline estimates for a 2-core Zen 4 CPU (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
-# FINDINGS.md, "Rough ceilings" (tok/s). Batch 8 is derived: 8x the bandwidth-bound
+# Rough ceilings (tok/s) on a 2-core Zen 4 (AVX-512): batch 1 is weight bytes per token
+# over ~29 GB/s of memory read; batch 32 and prefill are matmul FLOPs over measured GEMM
+# speed (fp32 ~165-196 GFLOP/s, bf16 ~400). Batch 8 is derived: 8x the bandwidth-bound
 # batch-1 ceiling, capped by the compute-bound batch-32 ceiling.
 CEILINGS = {
     "float32": {"decode_b1": 54, "decode_b8": 432, "decode_b32": 600, "prefill_512": 800},

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=9, help="timed runs per point (median reported)")
     parser.add_argument("--backends", default="nixl,torch")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # copies with 2 threads on 2 cores were 10x slower (FINDINGS)
+    torch.set_num_threads(1)  # copies with 2 threads on 2 cores were 10x slower (measured)
 
     results = bench_memcpy(SMOLLM2, args.runs)
     for name in args.backends.split(","):

@@ -1,6 +1,6 @@
 """Routing and KV-tier benchmark: two prefill replicas, two workloads, three setups.
 
-    python -m cluster.bench.routing [--out bench_routing.json] [--quick]
+    duet bench routing [--out bench_routing.json] [--quick]
 
 Setups: Serve's default routing (power of two choices), the KV-aware router, and
 the KV-aware router with an LMCache CPU tier in each prefill replica. Workloads:
@@ -152,7 +152,7 @@ def _config(setup: dict, kv_blocks: int, port: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="duet bench routing", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_routing.json")
     ap.add_argument("--kv-blocks", type=int, default=96, help="KV blocks per prefill replica (small: forces evictions)")
     ap.add_argument("--requests", type=int, default=24, help="shared-system-prompt requests")

@@ -6,7 +6,7 @@ channel), decode loads it once per peer, prepares one descriptor per remote bloc
 (blocks are contiguous byte ranges), warms the connection up with a tiny READ, and
 then pulls any block list with one prepared READ.
 
-Progress: NIXL's built-in progress thread busy-spins a core per agent (FINDINGS.md),
+Progress: NIXL's built-in progress thread busy-spins a core per agent (measured),
 so it is off. Decode drives its own progress by polling ``check_xfer_state`` with a
 backoff sleep. The target side still has to progress now and then: measured here,
 without it the first READ to a new peer never completes (UCX wire-up needs the

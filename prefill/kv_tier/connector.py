@@ -7,8 +7,8 @@ num_tokens, num_kv_heads * head_dim]`` (KV_2LTD). This connector copies between
 the two by the request's block table, passed as the ``block_table`` kwarg of
 `LMCacheEngine.store` / `retrieve`.
 
-LMCache ships no CPU connector, and its `MockGPUConnector` copies nothing
-(FINDINGS.md), hence this class.
+LMCache 0.5.6 ships no CPU connector, and its `MockGPUConnector` copies nothing,
+hence this class.
 """
 
 from __future__ import annotations

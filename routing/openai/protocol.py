@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
-from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, InvalidRequest, SamplingParams
 from routing.openai.errors import context_length_exceeded, from_validation_error, invalid_request
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -72,19 +72,19 @@ class _SamplingRequest(_Request):
     """Fields shared by chat and completions; extensions (vLLM's names) marked (ext)."""
 
     model: str | None = None  # None: the served model
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # (ext)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # (ext)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # (ext)
-    seed: int | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None  # (ext)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)  # (ext)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # (ext)
     ignore_eos: bool = False  # (ext)
     include_stop_str_in_output: bool = False  # (ext)
     logit_bias: dict[str, float] | None = None
@@ -152,7 +152,7 @@ def resolve_max_tokens(
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True  # (ext)
@@ -199,8 +199,8 @@ class CompletionRequest(_SamplingRequest):
             v = v[0]
             if isinstance(v, list) and not v:
                 raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and any(t < 0 for t in v):
-            raise ValueError("token ids must be non-negative")
+        if isinstance(v, list) and any(t < 0 or t > INT32_MAX for t in v):
+            raise ValueError("token ids must be non-negative 32-bit integers")
         return v
 
     @field_validator("echo")
@@ -241,12 +241,16 @@ def parse_request(cls: type[_Request], body: bytes | str) -> Any:
         data = json.loads(body) if body else None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise invalid_request(f"Invalid JSON in the request body: {e}") from e
+    except RecursionError:
+        raise invalid_request("The request body is nested too deeply.") from None
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object.")
     try:
         return cls.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from e
+    except RecursionError:
+        raise invalid_request("The request body is nested too deeply.") from None
 
 
 # ---------------------------------------------------------------- responses

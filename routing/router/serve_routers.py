@@ -14,12 +14,14 @@ Where the numbers come from
 - **Load.** Each replica's ``record_routing_stats()`` (queued prefill tokens,
   running requests, free KV blocks) reaches every router through the Serve
   controller every ``request_routing_stats_period_s``. That is too stale for a
-  burst, so the router also counts what *it* sent and has not seen complete
-  (`on_request_routed` / `on_request_completed`): tokens still to compute and
-  requests in flight per replica. The snapshot takes the larger of the two, so
-  one router never double-counts its own requests, and several routers still
-  see each other's load through the replica stats.
-- **Cached blocks.** Only from the replicas' KV events (ARCHITECTURE.md: the
+  burst, so the router also counts what *it* decided, sent and has not seen
+  complete (`_plan`, `on_request_routed`, `on_request_completed`): tokens still to
+  compute and requests in flight per replica. A report names the requests it
+  counts (``request_ids``), so those this router has seen finish since are taken
+  off it exactly, whatever the timing. The snapshot takes the larger of the report
+  and the local count, so one router never double-counts its own requests, and
+  several routers still see each other's load through the replica stats.
+- **Cached blocks.** Only from the replicas' KV events (docs/ARCHITECTURE.md: the
   router never guesses; routing never inserts into the index). Two transports,
   chosen by ``router.prefix_index``:
 
@@ -68,12 +70,13 @@ from routing.router.policy import ReplicaSnapshot, RouterConfig, choose_decode, 
 log = logging.getLogger("ray.serve")
 
 # How long a finished request is remembered to correct replica reports taken before
-# it finished (reports are at most `request_routing_stats_period_s` + a broadcast old).
+# it finished (reports are at most `request_routing_stats_period_s` + a broadcast old),
+# and how long a decision may wait to be sent before it no longer counts as load.
 _COMPLETED_WINDOW_S = 10.0
 
 
 def replica_key(replica_id: ReplicaID) -> str:
-    """The id a replica publishes its KV events under (cluster/replica.py)."""
+    """The id a replica publishes its KV events under (kvtransfer/replica.py)."""
     return f"{replica_id.deployment_id.name}#{replica_id.unique_id}"
 
 
@@ -88,27 +91,37 @@ class _InFlight:
         return sum(self.tokens.values())
 
 
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """A request this router chose a replica for and has not yet seen sent."""
+
+    key: str
+    request_id: str | None
+    tokens: int  # work it adds there
+    counted: int  # what the replica's report counts for it while it is there
+    decided_at: float  # monotonic
+
+
 class _LoadTracking:
     """Local in-flight accounting shared by both routers (a mixin over RequestRouter)."""
 
     def _init_tracking(self) -> None:
         self._inflight: dict[str, _InFlight] = {}
-        # internal id -> (replica, tokens, as counted there, decided at): chosen, not yet sent
-        self._planned: dict[str, tuple[str, int, int, float]] = {}
-        self._sent: dict[str, tuple[float, int]] = {}  # internal id -> (sent at, as the replica counts it)
-        # Per replica: (sent_at, done_at, tokens) of requests this router saw finish
-        # recently. A replica's report taken at `reported_at` still counts those sent
-        # before and finished after it: they are taken off the report.
-        self._completed: dict[str, deque[tuple[float, float, int]]] = {}
+        self._planned: dict[str, _Planned] = {}  # internal id -> decision not yet sent
+        self._sent: dict[str, tuple[str | None, int]] = {}  # internal id -> (request id, as counted there)
+        # Per replica: (request id, done at, as counted there) of requests this router
+        # saw finish recently. A replica's report names the requests it counts; those
+        # this router has seen finish are taken off it (the report is older).
+        self._completed: dict[str, deque[tuple[str | None, float, int]]] = {}
         self.decisions: Counter[str] = Counter()
 
     def _load(self, key: str, r: RunningReplica, tokens_stat: str, requests_stat: str) -> tuple[int, int]:
-        """(tokens, requests) queued on a replica: its last report, less what this
-        router has seen finish since the report, and never less than what this router
-        has in flight there now, decided-but-not-yet-sent requests included (a burst
-        of decisions must see the ones just before it)."""
-        at = float(_stat(r, "reported_at", 0.0))
-        stale = [t for sent, done, t in self._completed.get(key, ()) if sent <= at < done]
+        """(tokens, requests) queued on a replica: its last report, less the requests
+        in it that this router has since seen finish, and never less than what this
+        router has in flight there now, decided-but-not-yet-sent requests included (a
+        burst of decisions must see the ones just before it)."""
+        reported = set(_stat(r, "request_ids", ()))
+        stale = [t for rid, _, t in self._completed.get(key, ()) if rid is not None and rid in reported]
         tokens = int(_stat(r, tokens_stat)) - sum(stale) if tokens_stat else 0
         requests = int(_stat(r, requests_stat)) - len(stale)
         local_tokens, local_requests = self._local(key)
@@ -119,10 +132,9 @@ class _LoadTracking:
         flight = self._inflight.get(key)
         tokens = flight.num_tokens if flight else 0
         requests = len(flight.tokens) if flight else 0
-        horizon = time.monotonic() - _COMPLETED_WINDOW_S
-        for planned_key, planned_tokens, _, at in self._planned.values():
-            if planned_key == key and at > horizon:  # older: a request cancelled before it was sent
-                tokens += planned_tokens
+        for p in self._planned.values():
+            if p.key == key:
+                tokens += p.tokens
                 requests += 1
         return tokens, requests
 
@@ -130,29 +142,30 @@ class _LoadTracking:
         """`tokens`: work this request adds; `counted`: what the replica's report
         counts for it while queued (a prefill replica counts the whole prompt)."""
         now = time.monotonic()
-        for rid in [rid for rid, p in self._planned.items() if now - p[3] > _COMPLETED_WINDOW_S]:
+        for rid in [rid for rid, p in self._planned.items() if now - p.decided_at > _COMPLETED_WINDOW_S]:
             del self._planned[rid]  # decided, never sent (cancelled first)
         counted = tokens if counted is None else counted
-        self._planned[pr.metadata.internal_request_id] = (key, tokens, counted, now)
+        self._planned[pr.metadata.internal_request_id] = _Planned(key, _request_id(pr), tokens, counted, now)
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         rid = pending_request.metadata.internal_request_id
         key = replica_key(replica_id)
-        planned_key, tokens, counted, _ = self._planned.pop(rid, (key, 0, 0, 0.0))
-        self._inflight.setdefault(key, _InFlight()).tokens[rid] = tokens if planned_key == key else 0
-        self._sent[rid] = (time.time(), counted)
+        planned = self._planned.pop(rid, None)
+        tokens = planned.tokens if planned is not None and planned.key == key else 0
+        self._inflight.setdefault(key, _InFlight()).tokens[rid] = tokens
+        self._sent[rid] = (_request_id(pending_request), planned.counted if planned is not None else 0)
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._planned.pop(internal_request_id, None)
-        now = time.time()
-        sent, counted = self._sent.pop(internal_request_id, (now, 0))
+        now = time.monotonic()
+        request_id, counted = self._sent.pop(internal_request_id, (None, 0))
         key = replica_key(replica_id)
         flight = self._inflight.get(key)
         if flight is None or internal_request_id not in flight.tokens:
             return
         flight.tokens.pop(internal_request_id)
         done = self._completed.setdefault(key, deque())
-        done.append((sent, now, counted))
+        done.append((request_id, now, counted))
         while done and now - done[0][1] > _COMPLETED_WINDOW_S:
             done.popleft()
 
@@ -315,6 +328,13 @@ class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
         self._plan(pending_request, decision.replica_id, need)  # tracked in blocks here
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
         return [[by_key[decision.replica_id]], *([r] for r in rest)]
+
+
+def _request_id(pr: PendingRequest) -> str | None:
+    """Our request id: the first argument of `prefill(request_id, ...)`, or the
+    `request_id` of `generate(DecodeRequest)`."""
+    first = pr.args[0] if pr.args else pr.kwargs.get("request_id")
+    return first if isinstance(first, str) else getattr(first, "request_id", None)
 
 
 def _prompt_ids(pr: PendingRequest | None) -> list[int] | None:

@@ -19,6 +19,18 @@ pytestmark = pytest.mark.unit
         ({"stop": [None]}, "stop"),
         ({"top_k": -3}, "top_k"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
+        # Values that would overflow inside a batched step (one request must never
+        # take the engine loop down): they are refused at admission.
+        ({"top_k": 9223372036854775808}, "top_k"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"top_k": True}, "top_k"),
     ],
 )
 def test_invalid_sampling_names_field(kwargs, field):

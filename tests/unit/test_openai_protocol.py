@@ -464,3 +464,30 @@ def test_openai_client_reads_stream_errors_and_usage():
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(model="m", messages=MSGS, max_tokens=-1)
     assert ei.value.param == "max_tokens" and ei.value.status_code == 400
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_k", 9223372036854775808),
+        ("seed", 2**64),
+        ("max_tokens", 2**40),
+        ("stop_token_ids", [2**40]),
+    ],
+)
+def test_integers_out_of_range_are_a_400_naming_the_field(field, value):
+    body = {"messages": [{"role": "user", "content": "hi"}], field: value}
+    err = api_error(lambda: parse_request(ChatCompletionRequest, json.dumps(body)))
+    assert err.status == 400 and field in (err.param or "") + err.message
+
+
+def test_non_finite_floats_are_a_400():
+    body = '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    err = api_error(lambda: parse_request(ChatCompletionRequest, body))
+    assert err.status == 400 and "temperature" in (err.param or "") + err.message
+
+
+def test_absurd_nesting_is_a_400():
+    body = '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    err = api_error(lambda: parse_request(CompletionRequest, body))
+    assert err.status == 400

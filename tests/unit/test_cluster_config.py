@@ -1,0 +1,70 @@
+"""The cluster config composes each room's settings: one name, one default and one
+validator per setting, errors that name the field, and the checks across rooms."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import ClusterConfig, load_config
+from engine.config import ConfigError, EngineConfig
+from kvtransfer.config import TransferConfig
+from prefill.kv_tier.config import KVTierConfig
+from routing.openai.config import GatewayConfig
+from routing.router.policy import RouterConfig
+
+pytestmark = pytest.mark.unit
+
+
+def test_sections_are_the_rooms_own_models():
+    cfg = ClusterConfig()
+    assert type(cfg.engine) is EngineConfig
+    assert type(cfg.transfer) is TransferConfig
+    assert type(cfg.router) is RouterConfig
+    assert type(cfg.cache) is KVTierConfig
+    assert type(cfg.gateway) is GatewayConfig
+
+
+def test_defaults_are_the_rooms_defaults():
+    cfg = ClusterConfig()
+    assert cfg.router == RouterConfig()
+    assert cfg.cache == KVTierConfig() and not cfg.cache.enabled
+    assert cfg.transfer.lease_ttl_s == 30.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"prefill.num_cpus": 0}, "prefill.num_cpus"),
+        ({"engine.block_size": 0}, "engine.block_size"),
+        ({"router.overlap_weight": -1}, "router.overlap_weight"),
+        ({"router.redis_url": "http://x"}, "router.redis_url"),
+        ({"cache.disk_path": "/tmp/x"}, "cache"),
+        ({"transfer.backend": "carrier-pigeon"}, "transfer.backend"),
+        ({"gateway.port": 70000}, "gateway.port"),
+        ({"telemetry.service_name": "x"}, "telemetry"),  # deleted: nothing read it
+        ({"slo.ttft_ms": 1}, "slo"),
+    ],
+)
+def test_an_invalid_value_names_its_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert err.value.field == field
+
+
+def test_chunk_size_must_hold_whole_blocks():
+    with pytest.raises(ConfigError, match="multiple of block_size"):
+        load_config(None, {"cache.chunk_size": 24, "engine.block_size": 16})
+    assert load_config(None, {"cache.chunk_size": 32, "engine.block_size": 16}).cache.chunk_size == 32
+
+
+def test_a_pool_may_size_its_own_kv_pool():
+    cfg = load_config(None, {"engine.num_kv_blocks": 100, "decode.num_kv_blocks": 40})
+    assert cfg.pool_engine(cfg.decode).num_kv_blocks == 40
+    assert cfg.pool_engine(cfg.prefill).num_kv_blocks == 100
+
+
+def test_the_shipped_config_files_load():
+    from pathlib import Path
+
+    for path in sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*.yaml")):
+        load_config(path)

@@ -1,0 +1,115 @@
+"""The KV-aware Serve routers' decisions given a known state, without Ray.
+
+The routers only gather a snapshot (replica reports, the prefix index, what this
+router itself has in flight) and apply the pure policy. Here the state is built by
+hand, the way Serve would hand it over, so each decision is exact; that the state
+really arrives is checked by the integration tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+from engine.hashing import block_hashes
+from engine.kv_events import BlockStored
+from kvtransfer.events.log import KVEventLog
+from routing.router.serve_routers import KVAwarePrefillRouter
+
+pytestmark = pytest.mark.unit
+
+BS = 16
+FP = "model|float32"
+_ids = itertools.count()
+
+
+def replica(name: str, **stats) -> SimpleNamespace:
+    """A `RunningReplica` as the router sees it: an id and its last routing stats."""
+    rid = SimpleNamespace(deployment_id=SimpleNamespace(name="prefill"), unique_id=name)
+    report = {"queued_prefill_tokens": 0, "num_running": 0, "kv_blocks_free": 100, "kv_blocks_total": 100,
+              "request_ids": [], **stats}
+    return SimpleNamespace(replica_id=rid, routing_stats=report)
+
+
+def pending(prompt: list[int]) -> SimpleNamespace:
+    n = next(_ids)
+    return SimpleNamespace(
+        metadata=SimpleNamespace(internal_request_id=f"internal-{n}", call_method="prefill"),
+        args=(f"req-{n}", prompt, None),
+        kwargs={},
+    )
+
+
+def router(**config) -> KVAwarePrefillRouter:
+    r = object.__new__(KVAwarePrefillRouter)  # Serve's base __init__ needs a controller
+    r.initialize_state(config=config, block_size=BS, model_fingerprint=FP, seed=0)
+    return r
+
+
+def holding(prefix: list[int]) -> KVEventLog:
+    log = KVEventLog(BS)
+    log.extend([BlockStored(tuple(block_hashes(prefix, BS, FP)), None, len(prefix))])
+    return log
+
+
+def choose(r: KVAwarePrefillRouter, replicas, prompt) -> tuple[str, SimpleNamespace]:
+    pr = pending(prompt)
+    ranked = asyncio.run(r.choose_replicas(replicas, pr))
+    return ranked[0][0].replica_id.unique_id, pr
+
+
+PREFIX = list(range(1000, 1000 + 16 * BS))  # 16 blocks
+
+
+def test_a_shared_prefix_goes_to_its_holder_even_when_its_report_is_stale():
+    """The report of the holder still counts the previous request, which this router
+    has seen finish: it is taken off, so the holder is idle, not loaded."""
+    r = router()
+    a = replica("a", kv_log=holding(PREFIX).window())
+    b = replica("b")
+    r._sync([a, b])
+    for i in range(5):
+        prompt = PREFIX + [i] * 30
+        chosen, pr = choose(r, [a, b], prompt)
+        assert chosen == "a"
+        r.on_request_routed(pr, a.replica_id, None)
+        r.on_request_completed(a.replica_id, pr.metadata.internal_request_id)
+        # The replica reported while the request was queued; that report is still current.
+        a.routing_stats.update(queued_prefill_tokens=len(prompt), num_running=1, request_ids=[pr.args[0]])
+
+
+def test_a_report_of_requests_still_running_counts_as_load():
+    r = router(imbalance_threshold=1e9)
+    a = replica("a", kv_log=holding(PREFIX).window(), queued_prefill_tokens=40 * BS, num_running=3,
+                request_ids=["other-router-1", "other-router-2", "other-router-3"])
+    b = replica("b")
+    r._sync([a, b])
+    assert choose(r, [a, b], PREFIX + [7] * 30)[0] == "b"
+
+
+def test_a_burst_sees_the_decisions_just_before_it():
+    """Forty decisions before anything is sent: each counts the ones before it, so the
+    cheap replica (it holds the prefix) takes more, never all."""
+    r = router(imbalance_threshold=48)
+    a = replica("a", kv_log=holding(PREFIX).window())
+    b = replica("b")
+    r._sync([a, b])
+    chosen = [choose(r, [a, b], PREFIX + [i] * 60)[0] for i in range(40)]
+    assert 20 < chosen.count("a") < 40 and "b" in chosen[:10], chosen
+
+
+def test_a_decision_never_sent_stops_counting():
+    r = router()
+    a, b = replica("a"), replica("b")
+    r._sync([a, b])
+    chosen, pr = choose(r, [a, b], [5] * 64)
+    assert r._local(f"prefill#{chosen}") == (64, 1)
+    planned = r._planned[pr.metadata.internal_request_id]
+    r._planned[pr.metadata.internal_request_id] = planned.__class__(
+        planned.key, planned.request_id, planned.tokens, planned.counted, planned.decided_at - 60
+    )
+    choose(r, [a, b], [6] * 16)  # the next decision drops it
+    assert pr.metadata.internal_request_id not in r._planned
