@@ -36,8 +36,5 @@ class AggregatedServer:
     async def stats(self) -> dict:
         return {**self.aengine.stats, "replica_id": self.replica_id}
 
-    async def take_kv_events(self) -> list:
-        return self.aengine.take_kv_events()
-
     async def check_health(self) -> None:
         self.aengine.check_health()

@@ -49,7 +49,7 @@ class GenerationResult:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
 

@@ -121,7 +121,7 @@ class LeaseTable:
         return due
 
     def lease_for(self, request_id: str) -> Lease | None:
-        """The live lease of a request (for Abort, which names a request, not a lease)."""
+        """The live lease of a request (the exporter builds its handle from it)."""
         with self._lock:
             lease_id = self._by_request.get(request_id)
             return self._leases.get(lease_id) if lease_id else None

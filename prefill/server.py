@@ -125,11 +125,6 @@ class PrefillServer:
             **(self.tier.as_dict() if self.tier is not None else {}),
         }
 
-    async def kv_event_log(self):
-        """This replica's event log window (non-destructive; routers keep cursors)."""
-        self.events.drain()
-        return self.events.log.window()
-
     async def check_health(self) -> None:
         self.aengine.check_health()
 

@@ -47,7 +47,7 @@ TokenText = Callable[[int], str]
 class Delta(Protocol):
     text: str
     new_token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
@@ -73,7 +73,7 @@ class MergedDelta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = -1
     num_output_tokens: int = 0

@@ -70,12 +70,25 @@ def _evict(url: str, seed: int) -> None:
         complete(url, prompt(900, seed + i), max_tokens=2)
 
 
-def _wait_tier(key: str, at_least: int, timeout: float = 10.0) -> dict:
+def _wait_tier_holds(ids: list[int], tier: dict, timeout: float = 30.0) -> None:
+    """Wait until a tier (Redis or disk: the replica writes them asynchronously) holds
+    the whole chunks of `ids`, read through a `KVTier` of our own with the replicas'
+    model fingerprint and KV layout."""
+    import torch
+
+    from cluster.config import ClusterConfig
+    from engine.engine import expected_model_fingerprint
+    from prefill.kv_tier.tier import KVTier
+
+    cfg = ClusterConfig.model_validate(_config(1, tier))
+    kv = torch.zeros(4, 30, 2, cfg.engine.block_size, 3, 64)  # SmolLM2's layout, fp32
+    want = len(ids) // CHUNK * CHUNK
     deadline = time.monotonic() + timeout
     while True:
-        s = _stats()
-        if s.get(key, 0) >= at_least or time.monotonic() > deadline:
-            return s
+        with KVTier(cfg.cache, kv, expected_model_fingerprint(cfg.engine)) as reader:
+            if reader.lookup(ids) >= want:
+                return
+        assert time.monotonic() < deadline, f"the tier {tier} never held the prompt's chunks"
         time.sleep(0.2)
 
 
@@ -108,10 +121,9 @@ def test_prefix_from_replica_1_served_to_replica_2_from_redis(cluster, cpu_redis
     p = prompt(P_LEN, 4)
     miss = complete(url, p)
     _evict(url, 200)
-    first = _wait_tier("kv_tier_stored_tokens", 0)
-    time.sleep(1.5)  # LMCache writes to Redis asynchronously
+    first = _stats()
+    _wait_tier_holds(p, {"redis_url": cluster["redis"].url + "/0"})
     assert kill_replicas("prefill")
-    time.sleep(3)
     wait_replicas("prefill", 1, 180)
     deadline = time.monotonic() + 60
     while True:
@@ -145,7 +157,6 @@ def test_redis_down_is_skipped_counted_and_recovers(cluster, cpu_redis_app):
         assert s["kv_tier_redis_skipped"] > 0 and s["kv_tier_redis_up"] == 0
     finally:
         assert redis.run("start").returncode == 0
-    time.sleep(1.0)  # past redis_retry_interval_s
     import redis as redis_py
 
     client = redis_py.Redis.from_url(redis.url + "/0")
@@ -163,18 +174,18 @@ def test_redis_down_is_skipped_counted_and_recovers(cluster, cpu_redis_app):
 
 
 def test_disk_tier_restores_and_survives_a_restart(cluster):
-    url = deploy(_config(cluster["port"], {"disk_path": str(cluster["disk"]), "disk_bytes": 1 << 30}))
+    disk = {"disk_path": str(cluster["disk"]), "disk_bytes": 1 << 30}
+    url = deploy(_config(cluster["port"], disk))
     p = prompt(P_LEN, 5)
     miss = complete(url, p)
     _evict(url, 300)
-    time.sleep(1.0)  # disk writes are asynchronous
+    _wait_tier_holds(p, disk)
     hit = complete(url, p)
     s = _stats()
     assert hit["choices"][0]["text"] == miss["choices"][0]["text"]
     assert cached_tokens(hit) >= HIT and s["kv_tier_disk_hit_tokens"] >= HIT
     first = s["replica_id"]
     assert kill_replicas("prefill")
-    time.sleep(3)
     wait_replicas("prefill", 1, 180)
     deadline = time.monotonic() + 60
     while True:
