@@ -3,6 +3,8 @@ deployments, the gateway as ingress, each sized from its pool config."""
 
 from __future__ import annotations
 
+import os
+
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
@@ -12,6 +14,7 @@ from decode.server import DecodeServer
 from engine.engine import expected_model_fingerprint
 from kvtransfer.events.config import PrefixIndexConfig
 from prefill.server import PrefillServer
+from routing.openai.access import KEYS_ENV
 from routing.openai.gateway import Gateway
 
 # Every replica computes block hashes and LMCache keys the same way.
@@ -73,8 +76,11 @@ def _pool_args(cfg: ClusterConfig, pool: PoolConfig) -> dict:
 
 def build_app(cfg: ClusterConfig):
     """The Serve application: every replica gets its own room's settings, dumped."""
+    gateway_env = dict(REPLICA_ENV)
+    if os.environ.get(KEYS_ENV):  # the gateway may run on another node: hand the keys over
+        gateway_env[KEYS_ENV] = os.environ[KEYS_ENV]
     gateway = Gateway.options(
-        ray_actor_options={"num_cpus": cfg.gateway.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}},
+        ray_actor_options={"num_cpus": cfg.gateway.num_cpus, "runtime_env": {"env_vars": gateway_env}},
         max_ongoing_requests=cfg.gateway.max_pending_requests * 2,
     )
     gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump()}

@@ -103,7 +103,15 @@ class DecodeServer:
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[list[RequestOutput]]:
         eng = self.aengine.engine
-        blocks = await self._import(req)
+        # A cancelled call (the client left) must not cut an import short: a pull still
+        # running in its thread writes into the reserved blocks. The import finishes on
+        # its own and its blocks are freed then.
+        importing = asyncio.ensure_future(self._import(req))
+        try:
+            blocks = await asyncio.shield(importing)
+        except asyncio.CancelledError:
+            importing.add_done_callback(self._discard_import)
+            raise
 
         def start():
             try:
@@ -118,6 +126,15 @@ class DecodeServer:
         stream = await self.aengine.add(req.request_id, start)
         async for outs in stream:
             yield outs
+
+    def _discard_import(self, importing: asyncio.Future) -> None:
+        """Free the blocks of an import nobody will decode (its lease is already ended)."""
+        if importing.cancelled() or importing.exception() is not None:
+            return  # a failed import freed its blocks and rejected its lease itself
+        blocks = importing.result()
+        if blocks is not None:
+            eng = self.aengine.engine
+            self.aengine.submit(lambda: eng.release_blocks(blocks))
 
     def record_routing_stats(self) -> dict:
         """Read by Serve every `router.stats_period_s` for the decode router."""

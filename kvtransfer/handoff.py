@@ -46,9 +46,10 @@ def make_handle(
     *,
     prefill_replica_id: str,
     num_tokens: int,
-    control_address: tuple[str, int] | None = None,
+    control_server: control.ControlServer | None = None,
 ) -> KVHandle:
-    """Describe a leased set of blocks for a decode replica."""
+    """Describe a leased set of blocks for a decode replica; with the owner's
+    `control_server`, the handle says where and how to end the lease."""
     return KVHandle(
         request_id=lease.request_id,
         prefill_replica_id=prefill_replica_id,
@@ -59,7 +60,8 @@ def make_handle(
         fingerprint=backend.fingerprint,
         lease_id=lease.lease_id,
         lease_expiry=lease.expiry,
-        control_address=control_address,
+        control_address=(control_server.host, control_server.port) if control_server else None,
+        control_key=control_server.lease_key(lease.lease_id).hex() if control_server else None,
     )
 
 
@@ -72,7 +74,7 @@ def export_kv(
     block_ids: Sequence[int],
     num_tokens: int,
     ttl_s: float | None = None,
-    control_address: tuple[str, int] | None = None,
+    control_server: control.ControlServer | None = None,
 ) -> KVHandle:
     """Lease ``block_ids`` and describe them for a decode replica.
 
@@ -83,7 +85,7 @@ def export_kv(
     try:
         return make_handle(
             backend, lease, prefill_replica_id=prefill_replica_id, num_tokens=num_tokens,
-            control_address=control_address,
+            control_server=control_server,
         )
     except Exception:
         leases.reject(lease.lease_id)  # a handle nobody can use must not pin blocks
@@ -111,7 +113,6 @@ class KVExporter:
         self.replica_id = replica_id
         self.leases = LeaseTable(free_blocks, default_ttl_s=lease_ttl_s)
         self.control = control.ControlServer(self._on_control, host=host)
-        self.control_address = (host, self.control.port)
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="lease-sweeper", daemon=True)
         self._sweeper.start()
@@ -128,7 +129,7 @@ class KVExporter:
             raise RuntimeError(f"{request_id}: prefill finished but holds no lease")
         return make_handle(
             self.backend, lease, prefill_replica_id=self.replica_id, num_tokens=num_tokens,
-            control_address=self.control_address,
+            control_server=self.control,
         )
 
     def _on_control(self, msg: control.ControlMessage) -> None:
@@ -150,6 +151,7 @@ class KVExporter:
             "leases_released": counters.released,
             "leases_rejected": counters.rejected,
             "leases_expired": counters.expired,
+            **self.control.stats(),
         }
 
     def close(self) -> None:
@@ -208,6 +210,6 @@ def reject_lease(handle: KVHandle, reason: RejectReason, timeout_s: float) -> bo
 
 
 def _notify(handle: KVHandle, msg: control.ControlMessage, timeout_s: float) -> bool:
-    if handle.control_address is None:
+    if handle.control_address is None or handle.control_key is None:
         return False
-    return control.send(tuple(handle.control_address), msg, timeout_s=timeout_s)
+    return control.send(tuple(handle.control_address), msg, bytes.fromhex(handle.control_key), timeout_s=timeout_s)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -43,8 +43,10 @@ class KVHandle:
     fingerprint: LayoutFingerprint
     lease_id: str
     lease_expiry: float
-    # Where the owner listens for Release / Reject (kvtransfer/control.py).
+    # Where the owner listens for Release / Reject, and the key (hex) that signs
+    # them for this lease alone (kvtransfer/control.py).
     control_address: tuple[str, int] | None = None
+    control_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))

@@ -14,6 +14,7 @@ class PrefixIndexConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     prefix_index: Literal["memory", "redis"] = "memory"
+    # redis:// or rediss:// (TLS); a password goes in the URL (redis://:PASSWORD@host:port/db).
     redis_url: str = "redis://127.0.0.1:6390/0"
     index_key_prefix: str = "duet:prefix"
     # memory: compact a replica's event log once it has recorded this many hashes.
@@ -22,6 +23,6 @@ class PrefixIndexConfig(BaseModel):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, url: str) -> str:
-        if not url.startswith("redis://"):
-            raise ValueError("must start with redis://")
+        if not url.startswith(("redis://", "rediss://")):
+            raise ValueError("must start with redis:// or rediss://")
         return url

@@ -13,6 +13,7 @@ class KVTierConfig(BaseModel):
     cpu_bytes: int = Field(0, ge=0)
     disk_path: str | None = None
     disk_bytes: int = Field(0, ge=0)
+    # redis:// only: LMCache 0.5.6's Redis connector speaks neither TLS nor rediss://.
     redis_url: str | None = None
     # Tokens per LMCache chunk: a multiple of the engine's block size (checked with it).
     chunk_size: int = Field(256, gt=0)

@@ -97,6 +97,19 @@ def not_ready(message: str = "The server is starting up; retry later.", retry_af
     return APIError(503, message, SERVER_ERROR, None, "service_unavailable", {"Retry-After": str(retry_after_s)})
 
 
+def unauthorized() -> APIError:
+    """401: no API key, or not one the gateway accepts (OpenAI's `invalid_api_key`)."""
+    return APIError(
+        401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", INVALID_REQUEST, None,
+        "invalid_api_key", {"WWW-Authenticate": "Bearer"},
+    )
+
+
+def payload_too_large(limit: int) -> APIError:
+    """413: the request body is larger than `gateway.max_body_bytes`."""
+    return APIError(413, f"The request body exceeds {limit} bytes.", INVALID_REQUEST, None, "payload_too_large")
+
+
 def internal_error(message: str = "Internal server error.") -> APIError:
     return APIError(500, message, SERVER_ERROR, None, "internal_error")
 

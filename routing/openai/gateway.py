@@ -10,6 +10,7 @@ the right status; an error after streaming began is sent as a final SSE event.
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -17,9 +18,11 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from engine.weights import served_model_name
 from routing.openai import pipeline
+from routing.openai.access import APIKeys, KeyLimiter, read_body
 from routing.openai.metrics import GatewayMetrics
 from routing.openai.errors import APIError, install_error_handlers, internal_error, model_not_found, overloaded
 from routing.openai.errors import invalid_request, not_ready
@@ -46,6 +49,23 @@ def _session(request: Request) -> str | None:
     return request.headers.get("x-session-id") or None
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One generation request as the gateway runs it."""
+
+    endpoint: str
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    session: str | None  # `x-session-id`: an affinity hint for the prefill router
+    key: str  # the caller's API key id
+
+    @property
+    def cost(self) -> int:
+        """What it may use of its key's token budget: prompt + max_tokens."""
+        return len(self.prompt_ids) + self.sampling.max_tokens
+
+
 @serve.deployment(name="gateway")
 @serve.ingress(app)
 class Gateway:
@@ -62,8 +82,12 @@ class Gateway:
         self.tokenizer = load_tokenizer(self.engine_cfg.model)
         self.prefill, self.decode, self.aggregated = prefill, decode, aggregated
         self.metrics = GatewayMetrics()
+        self.keys = APIKeys.load(self.cfg.api_keys_file)
+        self.limiter = KeyLimiter(self.cfg.max_in_flight_per_key, self.cfg.tokens_per_minute_per_key)
         self.in_flight = 0
         self._ready = False
+        if not self.keys.enabled:
+            log.warning("gateway: no API keys configured (DUET_API_KEYS, gateway.api_keys_file): open to anyone")
 
     # ------------------------------------------------------------ probes
     @app.get("/health")
@@ -81,7 +105,9 @@ class Gateway:
         return {"status": "ready", "model": self.model_name, "mode": self.mode}
 
     @app.get("/metrics")
-    async def metrics(self):
+    async def metrics(self, request: Request):
+        if self.cfg.metrics_require_key:
+            self.keys.authenticate(request.headers.get("authorization"))
         try:
             for pool, stats in (await asyncio.wait_for(self._pool_stats(), timeout=2)).items():
                 self.metrics.observe_pool(pool, stats)
@@ -98,14 +124,17 @@ class Gateway:
         return out
 
     @app.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        self.keys.authenticate(request.headers.get("authorization"))
         card = ModelCard(id=self.model_name, root=self.engine_cfg.model, max_model_len=self.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     # ------------------------------------------------------------ generation
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request):
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.body())
+        key = self.keys.authenticate(request.headers.get("authorization"))
+        body = await read_body(request, self.cfg.max_body_bytes)
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
         self._check_model(req.model)
         try:
             text = self.tokenizer.apply_chat_template(req.template_messages(), req.add_generation_prompt)
@@ -113,20 +142,25 @@ class Gateway:
             raise invalid_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
         ids = await asyncio.to_thread(self.tokenizer.encode, text)
         sp = req.to_sampling_params(len(ids), self.max_model_len)
-        rid = make_response_id("chat")
+        call = _Call("chat", make_response_id("chat"), ids, sp, _session(request), key)
+        self._admit(call)
         if req.stream:
             builder = ChatStream(
-                rid, self.model_name, include_usage=req.include_usage, logprobs=req.logprobs,
+                call.request_id, self.model_name, include_usage=req.include_usage, logprobs=req.logprobs,
                 token_text=self._token_text,
             )
-            return self._stream("chat", rid, ids, sp, builder, _session(request))
-        outs = await self._collect("chat", rid, ids, sp, _session(request))
-        resp = build_chat_response(rid, self.model_name, outs, logprobs=req.logprobs, token_text=self._token_text)
+            return self._stream(call, builder)
+        outs = await self._collect(call)
+        resp = build_chat_response(
+            call.request_id, self.model_name, outs, logprobs=req.logprobs, token_text=self._token_text
+        )
         return resp.model_dump(exclude_none=True)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        req: CompletionRequest = parse_request(CompletionRequest, await request.body())
+        key = self.keys.authenticate(request.headers.get("authorization"))
+        body = await read_body(request, self.cfg.max_body_bytes)
+        req: CompletionRequest = parse_request(CompletionRequest, body)
         self._check_model(req.model)
         if isinstance(req.prompt, str):
             ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt)
@@ -137,15 +171,19 @@ class Gateway:
         if not ids:
             raise invalid_request("prompt must not be empty", "prompt")
         sp = req.to_sampling_params(len(ids), self.max_model_len)
-        rid = make_response_id("completion")
+        call = _Call("completions", make_response_id("completion"), ids, sp, _session(request), key)
+        self._admit(call)
         logprobs = req.logprobs is not None
         if req.stream:
             builder = CompletionStream(
-                rid, self.model_name, include_usage=req.include_usage, logprobs=logprobs, token_text=self._token_text
+                call.request_id, self.model_name, include_usage=req.include_usage, logprobs=logprobs,
+                token_text=self._token_text,
             )
-            return self._stream("completions", rid, ids, sp, builder, _session(request))
-        outs = await self._collect("completions", rid, ids, sp, _session(request))
-        resp = build_completion_response(rid, self.model_name, outs, logprobs=logprobs, token_text=self._token_text)
+            return self._stream(call, builder)
+        outs = await self._collect(call)
+        resp = build_completion_response(
+            call.request_id, self.model_name, outs, logprobs=logprobs, token_text=self._token_text
+        )
         return resp.model_dump(exclude_none=True)
 
     def _check_model(self, model: str | None) -> None:
@@ -155,18 +193,28 @@ class Gateway:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.convert_ids_to_tokens([token_id])[0]
 
-    def _admit(self) -> None:
+    def _admit(self, call: _Call) -> None:
+        """Refuse with a 429 before any work (and before a stream's 200): the gateway's
+        queue is full, the key has no request slot, or not enough of its token budget."""
+        self._check_capacity()
+        self.limiter.check(call.key)
+        self.limiter.charge(call.key, call.cost)
+
+    def _check_capacity(self) -> None:
         if self.in_flight >= self.cfg.max_pending_requests:
             raise overloaded(f"{self.in_flight} requests in flight; retry later")
 
-    def _run(self, rid, ids, sp, timing, session=None):
+    def _run(self, call: _Call, timing: pipeline.Timing):
         if self.aggregated is not None:
-            return pipeline.aggregated(self.aggregated, rid, ids, sp, timing)
-        return pipeline.disaggregated(self.prefill, self.decode, rid, ids, sp, timing, session)
+            return pipeline.aggregated(self.aggregated, call.request_id, call.prompt_ids, call.sampling, timing)
+        return pipeline.disaggregated(
+            self.prefill, self.decode, call.request_id, call.prompt_ids, call.sampling, timing, call.session
+        )
 
-    async def _observed(self, endpoint: str, rid: str, ids, sp, session=None):
+    async def _observed(self, call: _Call):
         """The pipeline's batches, with latency metrics and in-flight accounting."""
-        self._admit()
+        self._check_capacity()
+        self.limiter.acquire(call.key)
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
         timing = pipeline.Timing()
@@ -174,7 +222,7 @@ class Gateway:
         n_out = 0
         status = "error"
         try:
-            async for outs in self._run(rid, ids, sp, timing, session):
+            async for outs in self._run(call, timing):
                 now = time.monotonic()
                 if last is None:
                     self.metrics.ttft.observe(now - timing.start)
@@ -190,9 +238,10 @@ class Gateway:
             status = "cancelled"
             raise
         finally:
+            self.limiter.release(call.key)
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
-            self.metrics.requests.labels(endpoint, status).inc()
+            self.metrics.requests.labels(call.endpoint, status).inc()
             self.metrics.output_tokens.inc(n_out)
             e2e = time.monotonic() - timing.start
             self.metrics.e2e.observe(e2e)
@@ -200,21 +249,19 @@ class Gateway:
                 first = e2e - (time.monotonic() - last)
                 self.metrics.tpot.observe(max(0.0, (e2e - first) / (n_out - 1)))
 
-    async def _collect(self, endpoint, rid, ids, sp, session=None):
+    async def _collect(self, call: _Call):
         outs = []
         try:
-            async for batch in self._observed(endpoint, rid, ids, sp, session):
+            async for batch in self._observed(call):
                 outs.extend(batch)
         except pipeline.UpstreamError as e:
             raise _upstream_error(e) from e
         return outs
 
-    def _stream(self, endpoint, rid, ids, sp, builder, session=None) -> StreamingResponse:
-        self._admit()  # a 429 must come before the 200 of a stream
-
+    def _stream(self, call: _Call, builder) -> StreamingResponse:
         async def body():
             try:
-                async for outs in self._observed(endpoint, rid, ids, sp, session):
+                async for outs in self._observed(call):
                     chunk = builder.chunk(outs)
                     if chunk:
                         yield chunk

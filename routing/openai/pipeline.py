@@ -78,27 +78,28 @@ async def disaggregated(
     if result.kv_handle is None:
         yield first
         return
-    decode_started = False
+    ended = False  # decode streamed the request to its end
     try:
         yield first
         req = DecodeRequest(request_id, tuple(prompt_ids), result.first_token, sp, result.kv_handle)
         stream = decode_handle.options(stream=True).generate.remote(req)
-        decode_started = True
         try:
             async for outs in stream:
                 yield outs
-        except asyncio.CancelledError:
-            stream.cancel()
-            raise
-        except GeneratorExit:
+            ended = True
+        except (asyncio.CancelledError, GeneratorExit):
             stream.cancel()
             raise
         except Exception as e:
             raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
     finally:
-        if not decode_started:  # nobody will pull this lease: free it now
-            await asyncio.to_thread(
-                reject_lease, result.kv_handle, RejectReason.CLIENT_DISCONNECTED, _REJECT_TIMEOUT_S
+        if not ended:
+            # Nobody will use this lease now: free the prefill blocks at once rather than
+            # at expiry. Decode may have ended it already (then this is a no-op), or may
+            # still be pulling: its copy is discarded with the cancelled call, never cached.
+            # Not awaited: a cancelled request's task is cancelled again at every await.
+            asyncio.get_running_loop().run_in_executor(
+                None, reject_lease, result.kv_handle, RejectReason.CLIENT_DISCONNECTED, _REJECT_TIMEOUT_S
             )
 
 

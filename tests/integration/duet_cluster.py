@@ -4,7 +4,9 @@ run against, a handle on the app, and polling helpers (no fixed sleeps)."""
 from __future__ import annotations
 
 import math
+import tempfile
 import time
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +30,12 @@ BASE = {
     "gateway.port": PORT,
 }
 
+# The "secure" cluster's API keys, in the file its gateway reads.
+API_KEYS = ("sk-duet-test-a", "sk-duet-test-b", "sk-duet-test-c")
+KEYS_FILE = Path(tempfile.gettempdir()) / "duet-test-api-keys"
+TOKENS_PER_MINUTE = 1100
+MAX_BODY_BYTES = 8192
+
 # In deploy order; tests of one config run together.
 CLUSTERS: dict[str, dict] = {
     "nixl": {},
@@ -35,10 +43,19 @@ CLUSTERS: dict[str, dict] = {
     "aggregated": {"mode": "aggregated"},
     # Short leases (TTL path) and a decode pool too small for long prompts (reject path).
     "small": {"transfer.lease_ttl_s": 3.0, "decode.num_kv_blocks": 4},
+    # API keys, one request in flight and 1,100 tokens a minute per key, 8 KiB bodies.
+    "secure": {
+        "gateway.api_keys_file": str(KEYS_FILE),
+        "gateway.max_in_flight_per_key": 1,
+        "gateway.tokens_per_minute_per_key": TOKENS_PER_MINUTE,
+        "gateway.max_body_bytes": MAX_BODY_BYTES,
+    },
 }
 
 
 def cluster_config(name: str) -> ClusterConfig:
+    if name == "secure":
+        KEYS_FILE.write_text("\n".join(API_KEYS) + "\n")
     return load_config(None, {**BASE, **CLUSTERS[name]})
 
 

@@ -65,6 +65,22 @@ def test_client_disconnect_mid_stream_frees_kv_on_both_sides(duet):
     assert duet.stats("decode")["num_running"] == 0
 
 
+def test_clients_leaving_right_after_the_first_token_leak_nothing(duet):
+    """The first token comes from prefill; leaving then cancels decode while it may be
+    importing the KV. The import finishes on its own, its blocks are freed, and the
+    gateway rejects the lease: both sides back at baseline well before the lease TTL."""
+    wait_idle(duet)
+    body = {"model": SMOLLM2_ID, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=duet.url, timeout=CLIENT_TIMEOUT) as h:
+        for i in range(6):
+            prompt = f"[{uuid.uuid4().hex}] Request {i}: " + "tell me about the sea. " * (10 * i + 1)
+            with h.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as r:
+                assert r.status_code == 200
+                next(line for line in r.iter_lines() if line.startswith("data: "))
+    assert duet.cfg.transfer.lease_ttl_s > 20
+    wait_idle(duet, timeout=20)
+
+
 async def _concurrent_streams(duet, n: int, max_tokens: int) -> list[tuple[str, str | None, int]]:
     c = openai.AsyncOpenAI(base_url=duet.base_url, api_key="unused", max_retries=0, timeout=180)
 

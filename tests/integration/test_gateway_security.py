@@ -1,0 +1,79 @@
+"""The gateway's API keys and per-key limits on a real cluster: 401 without the right
+key on every generation endpoint, 413 for a body over the cap, 429 with Retry-After
+for a key's second request in flight and for its token budget; probes stay open;
+and no refused request costs a KV block."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from duet_cluster import API_KEYS, MAX_BODY_BYTES, TOKENS_PER_MINUTE, wait_idle
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster("secure")]
+
+CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
+COMPLETION = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+KEY_A, KEY_B, KEY_C = API_KEYS
+
+
+def _post(duet, path: str, body: dict, key: str | None = None, **kw) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{duet.url}{path}", json=body, headers=headers, timeout=120, **kw)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_generation_needs_a_right_key(duet, path, body):
+    for key in (None, "sk-wrong", KEY_A + "x"):
+        r = _post(duet, path, body, key)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    r = _post(duet, path, body, KEY_A)
+    assert r.status_code == 200, r.text
+
+
+def test_models_need_a_key_and_probes_do_not(duet):
+    assert httpx.get(f"{duet.url}/v1/models", timeout=30).status_code == 401
+    r = httpx.get(f"{duet.url}/v1/models", headers={"authorization": f"Bearer {KEY_A}"}, timeout=30)
+    assert r.status_code == 200
+    for probe in ("/health", "/ready", "/metrics"):
+        assert httpx.get(f"{duet.url}{probe}", timeout=30).status_code == 200, probe
+
+
+def test_a_body_over_the_cap_is_a_413(duet):
+    big = {**COMPLETION, "prompt": "word " * MAX_BODY_BYTES}
+    r = _post(duet, "/v1/completions", big, KEY_A)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+
+
+def test_a_second_request_in_flight_for_one_key_is_a_429(duet):
+    body = {**COMPLETION, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    headers = {"authorization": f"Bearer {KEY_B}"}
+    with httpx.stream("POST", f"{duet.url}/v1/completions", json=body, headers=headers, timeout=120) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)  # the first request is generating now
+        second = _post(duet, "/v1/completions", COMPLETION, KEY_B)
+        assert second.status_code == 429 and int(second.headers["Retry-After"]) >= 1, second.text
+        assert _post(duet, "/v1/completions", COMPLETION, KEY_A).status_code == 200  # other keys go on
+    wait_idle(duet)
+
+
+def test_the_token_budget_per_minute_is_a_429(duet):
+    prompt = list(range(1000, 1000 + 990))  # 990 prompt tokens + 10 max_tokens = 1,000 of 1,100
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0}
+    assert _post(duet, "/v1/completions", body, KEY_C).status_code == 200
+    r = _post(duet, "/v1/completions", body, KEY_C)  # 900 short: ~49 s of refill away
+    assert r.status_code == 429, r.text
+    assert "Token budget" in r.json()["error"]["message"]
+    assert int(r.headers["Retry-After"]) > 10
+    assert len(prompt) + 10 <= TOKENS_PER_MINUTE  # the first fitted: the budget, not the size, refused
+
+
+def test_refused_requests_cost_no_kv_block(duet):
+    for _ in range(3):
+        assert _post(duet, "/v1/chat/completions", CHAT, "sk-wrong").status_code == 401
+        big = {**COMPLETION, "prompt": "word " * MAX_BODY_BYTES}
+        assert _post(duet, "/v1/completions", big, KEY_A).status_code == 413
+    wait_idle(duet)
+    for pool in duet.pool_names():
+        assert duet.stats(pool)["leases_active" if pool == "prefill" else "num_running"] == 0
