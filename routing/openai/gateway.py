@@ -132,10 +132,7 @@ class Gateway:
     # ------------------------------------------------------------ generation
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request):
-        key = self.keys.authenticate(request.headers.get("authorization"))
-        body = await read_body(request, self.cfg.max_body_bytes)
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
-        self._check_model(req.model)
+        key, req = await self._accept(request, ChatCompletionRequest)
         try:
             text = self.tokenizer.apply_chat_template(req.template_messages(), req.add_generation_prompt)
         except Exception as e:
@@ -158,10 +155,7 @@ class Gateway:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        key = self.keys.authenticate(request.headers.get("authorization"))
-        body = await read_body(request, self.cfg.max_body_bytes)
-        req: CompletionRequest = parse_request(CompletionRequest, body)
-        self._check_model(req.model)
+        key, req = await self._accept(request, CompletionRequest)
         if isinstance(req.prompt, str):
             ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt)
         else:
@@ -185,6 +179,13 @@ class Gateway:
             call.request_id, self.model_name, outs, logprobs=logprobs, token_text=self._token_text
         )
         return resp.model_dump(exclude_none=True)
+
+    async def _accept(self, request: Request, model_cls):
+        """(the caller's key id, the parsed request): 401, 413, 400 or 404 otherwise."""
+        key = self.keys.authenticate(request.headers.get("authorization"))
+        req = parse_request(model_cls, await read_body(request, self.cfg.max_body_bytes))
+        self._check_model(req.model)
+        return key, req
 
     def _check_model(self, model: str | None) -> None:
         if model and model not in (self.model_name, self.engine_cfg.model):
