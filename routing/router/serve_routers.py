@@ -169,6 +169,10 @@ class _LoadTracking:
         while done and now - done[0][1] > _COMPLETED_WINDOW_S:
             done.popleft()
 
+    def pending(self) -> int:
+        """Requests this router decided or sent and has not yet seen complete."""
+        return len(self._planned) + sum(len(f.tokens) for f in self._inflight.values())
+
     def _forget(self, key: str) -> None:
         self._inflight.pop(key, None)
         self._completed.pop(key, None)

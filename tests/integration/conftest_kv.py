@@ -157,6 +157,19 @@ async def prefill_direct(handle, ids: list[int], session: str | None = None, rid
     return result
 
 
+async def router_settled(handle, timeout: float = 30.0) -> None:
+    """Wait until the KV-aware router Serve built in this process for `handle` has seen
+    every request it sent complete (its completion callbacks run on Serve's router
+    thread, possibly after the caller already has the result)."""
+    import asyncio
+
+    router = handle._router._asyncio_router.request_router
+    deadline = time.monotonic() + timeout
+    while router.pending():
+        assert time.monotonic() < deadline, "the router never saw its requests complete"
+        await asyncio.sleep(0.02)
+
+
 def reject_now(result) -> None:
     """Free a prefill result's lease at once (nobody will pull it)."""
     from kvtransfer.handoff import reject_lease

@@ -16,6 +16,7 @@ import pytest
 
 from conftest_kv import (
     APP,
+    router_settled,
     RedisServer,
     base_config,
     deploy,
@@ -85,8 +86,10 @@ def _wait_indexed(ids, replica: str, timeout: float = 10.0) -> None:
 
 
 def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(app):
-    """Waits for the state the decision needs (the index holds the prefix); the load
-    it sees is exact whatever the report timing (the reports name their requests)."""
+    """Waits for the state each decision needs: the index holds the prefix, and the
+    router has seen the previous request complete (Serve tells it on its own thread,
+    possibly after the caller got the result). Given that, the load it sees is exact
+    whatever the report timing: reports name the requests they count."""
 
     async def run():
         h = prefill_handle()
@@ -96,7 +99,10 @@ def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(app):
             first = await prefill_direct(h, base + prompt(20, 200 + k))
             holder = _replica(first)
             _wait_indexed(base, holder)
-            followers = [await prefill_direct(h, base + prompt(30, 300 + 10 * k + i)) for i in range(5)]
+            followers = []
+            for i in range(5):
+                await router_settled(h)
+                followers.append(await prefill_direct(h, base + prompt(30, 300 + 10 * k + i)))
             out[k] = (holder, [_replica(r) for r in followers], [r.num_cached_tokens for r in followers])
         return out
 
@@ -149,6 +155,12 @@ def test_a_restarted_router_keeps_routing_by_prefix(app):
             h = srv.get_deployment_handle("prefill", app_name)
             out = []
             for i in range(3):
+                if i:  # the fresh router has seen the previous request complete
+                    router = h._router._asyncio_router.request_router
+                    for _ in range(600):
+                        if router.pending() == 0:
+                            break
+                        await aio.sleep(0.05)
                 r = await h.prefill.remote(f"fresh-{i}", ids + [100 + i] * 17, SamplingParams(max_tokens=2))
                 reject_lease(r.kv_handle, RejectReason.CLIENT_DISCONNECTED, timeout_s=5.0)
                 out.append(r.kv_handle.prefill_replica_id)
