@@ -1,5 +1,7 @@
 """Real transfers between two OS processes (no Ray), for every backend."""
 
+import multiprocessing as mp
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -61,19 +63,50 @@ def test_pull_non_contiguous_blocks_bytes_identical(name, dtype):
             assert snap.bytes == snap.blocks * b.fingerprint.bytes_per_block
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-def test_dead_peer_raises_instead_of_hanging(name):
-    s = spec()
-    with PrefillPeer(name, s, **peer_kw(name)) as peer:
-        b, _ = decode_backend(name, s)
-        with b:
+def _pull_from_a_dead_peer(name: str, conn) -> None:
+    """In a child process: pull once, kill the peer, pull again; report, then leave
+    without teardown. NIXL 1.5.1 sometimes aborts the process when an agent whose peer
+    died is destroyed (seen in ~3 of 10 runs, after close(), in the agent's destructor);
+    a replica destroys its agent only at shutdown, so the test keeps that out of the
+    pytest process and checks what serving depends on: the pull fails fast."""
+    try:
+        s = spec()
+        with PrefillPeer(name, s, **peer_kw(name)) as peer:
+            b, _ = decode_backend(name, s)
             b.pull(peer.peer_info, [1], [1], timeout_s=20)
             peer.kill()
             t0 = time.monotonic()
-            with pytest.raises(TransferError):
+            try:
                 b.pull(peer.peer_info, [2, 3], [2, 3], timeout_s=5)
-            assert time.monotonic() - t0 < 6
-            assert b.metrics.snapshot().failures == 1
+                outcome = "no error"
+            except TransferError as e:
+                outcome = type(e).__name__
+            conn.send((outcome, time.monotonic() - t0, b.metrics.snapshot().failures))
+            b.close()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        conn.send((f"error: {e!r}", 0.0, 0))
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_dead_peer_raises_instead_of_hanging(name):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_pull_from_a_dead_peer, args=(name, child))
+    proc.start()
+    child.close()
+    try:
+        assert parent.poll(120), "the child never reported"
+        outcome, seconds, failures = parent.recv()
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    assert outcome in ("PeerDisconnected", "TransferTimeout", "TransferError"), outcome
+    assert seconds < 6
+    assert failures == 1
 
 
 @pytest.mark.parametrize("name", BACKENDS)
