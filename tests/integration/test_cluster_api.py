@@ -32,7 +32,7 @@ SETUPS = [
 @pytest.fixture(scope="module")
 def reference() -> dict[str, tuple[str, int, str]]:
     """(text, completion tokens, finish reason) of the single-process fp32 engine."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # the replicas use the other core
     engine = Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=1024))
     chat_text = engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     prompts = {"chat": engine.tokenizer.encode(chat_text), "completion": engine.tokenizer.encode(PROMPT)}

@@ -9,7 +9,9 @@ from engine.engine import Engine
 
 @pytest.fixture(scope="session")
 def base_engine() -> Engine:
-    torch.set_num_threads(2)
+    # One thread: with two, a second busy process on these 2-core machines makes the
+    # OpenMP threads spin against each other and the suite ~8x slower.
+    torch.set_num_threads(1)
     return Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=512))
 
 
