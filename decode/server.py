@@ -109,7 +109,7 @@ class DecodeServer:
         importing = asyncio.ensure_future(self._import(req))
         try:
             blocks = await asyncio.shield(importing)
-        except asyncio.CancelledError:
+        except BaseException:  # cancelled, or the generator closed; a failed import cleans up itself
             importing.add_done_callback(self._discard_import)
             raise
 
