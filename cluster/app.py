@@ -71,7 +71,13 @@ def router_configs(cfg: ClusterConfig) -> dict[str, RequestRouterConfig]:
 
 
 def _pool_args(cfg: ClusterConfig, pool: PoolConfig) -> dict:
-    return {"engine": cfg.pool_engine(pool).model_dump(), "threads": pool.threads}
+    return {"engine": cfg.pool_engine(pool).model_dump(), "threads": pool.threads, "telemetry": _telemetry(cfg)}
+
+
+def _telemetry(cfg: ClusterConfig) -> dict:
+    """`telemetry:` with this process's `OTEL_*` variables applied: every replica
+    traces the same way, wherever Ray starts it."""
+    return cfg.telemetry.resolved().model_dump()
 
 
 def build_app(cfg: ClusterConfig):
@@ -83,7 +89,7 @@ def build_app(cfg: ClusterConfig):
         ray_actor_options={"num_cpus": cfg.gateway.num_cpus, "runtime_env": {"env_vars": gateway_env}},
         max_ongoing_requests=cfg.gateway.max_pending_requests * 2,
     )
-    gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump()}
+    gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump(), "telemetry": _telemetry(cfg)}
     if cfg.mode == "aggregated":
         pool = serve.deployment(AggregatedServer).options(**_options("aggregated", cfg.aggregated))
         return gateway.bind(**gateway_args, aggregated=pool.bind(**_pool_args(cfg, cfg.aggregated)))

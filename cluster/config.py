@@ -2,7 +2,8 @@
 
 Every section is the model of the room that reads it (`engine:` engine/config.py,
 `transfer:` kvtransfer/config.py, `router:` routing/router/policy.py, `cache:`
-prefill/kv_tier/config.py, `gateway:` routing/openai/config.py); only the pools'
+prefill/kv_tier/config.py, `gateway:` routing/openai/config.py, `telemetry:`
+telemetry/config.py); only the pools'
 sizing is defined here. This module adds the checks that span rooms and is where
 YAML and flags enter. Every error names its field (e.g. ``prefill.num_cpus``).
 """
@@ -21,6 +22,7 @@ from kvtransfer.config import TransferConfig
 from prefill.kv_tier.config import KVTierConfig
 from routing.openai.config import GatewayConfig
 from routing.router.policy import RouterConfig
+from telemetry.config import TelemetryConfig
 
 
 class Strict(BaseModel):
@@ -66,6 +68,7 @@ class ClusterConfig(Strict):
     router: RouterConfig = RouterConfig()
     cache: KVTierConfig = KVTierConfig()
     gateway: GatewayConfig = GatewayConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
 
     @model_validator(mode="after")
     def _across_rooms(self):

@@ -7,6 +7,7 @@ unlike it, it prefills every prompt itself (that is its job, not a fallback).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from engine.async_engine import start_engine
@@ -14,24 +15,49 @@ from engine.config import EngineConfig
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.replica import replica_id
+from telemetry import tracing
+from telemetry.replica import ReplicaTelemetry
+from telemetry.tracing import SpanKind
 
 
 class AggregatedServer:
-    """Owns one aggregated-role engine. `engine` is a dumped `EngineConfig`."""
+    """Owns one aggregated-role engine. `engine` is a dumped `EngineConfig`,
+    `telemetry` a `TelemetryConfig`."""
 
-    def __init__(self, engine: dict, threads: int):
+    def __init__(self, engine: dict, threads: int, telemetry: dict | None = None):
         self.replica_id = replica_id()
         self.aengine = start_engine(EngineConfig.model_validate(engine), "aggregated", threads)
+        self.telemetry = ReplicaTelemetry(telemetry, "aggregated", self.replica_id, lambda: self.aengine.stats)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, trace: dict | None = None
     ) -> AsyncIterator[list[RequestOutput]]:
+        """`trace`: the caller's W3C trace context (telemetry/tracing.py)."""
+        span = tracing.start_span("generate", trace, SpanKind.SERVER, {
+            "duet.request_id": request_id, "duet.replica": self.replica_id,
+            "gen_ai.usage.input_tokens": len(prompt_token_ids),
+        })
+        tokens = 0
+        error: BaseException | None = None
         eng = self.aengine.engine
-        stream = await self.aengine.add(
-            request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id)
-        )
-        async for outs in stream:
-            yield outs
+        try:
+            stream = await self.aengine.add(
+                request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id)
+            )
+            async for outs in stream:
+                tokens += sum(len(o.new_token_ids) for o in outs)
+                if outs[-1].finished:
+                    self.telemetry.engine_request(span, outs[-1].metrics)
+                yield outs
+        except (asyncio.CancelledError, GeneratorExit):
+            tracing.set_attributes(span, {"duet.cancelled": True})  # the client left: not an error
+            raise
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            tracing.set_attributes(span, {"gen_ai.usage.output_tokens": tokens})
+            tracing.end_span(span, error)
 
     async def stats(self) -> dict:
         return {**self.aengine.stats, "replica_id": self.replica_id}

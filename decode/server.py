@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ from kvtransfer.handoff import BackendMismatch, LeaseExpired, check_handle, pull
 from kvtransfer.layout import LayoutMismatch
 from kvtransfer.messages import DecodeRequest, ImportFailed, RejectReason
 from kvtransfer.replica import replica_id
+from telemetry import metrics, tracing
+from telemetry.replica import ReplicaTelemetry
+from telemetry.tracing import Span, SpanKind
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,16 @@ class ImportCounters:
     rejected: int = 0
     failed: int = 0
     recomputed: int = 0
+
+
+def _result(reason: str) -> str:
+    """A failed import's result on its trace: the lease was rejected (decode full),
+    ran out, or the transfer failed."""
+    if reason == RejectReason.NO_FREE_BLOCKS:
+        return "rejected"
+    if reason == RejectReason.LEASE_EXPIRED:
+        return "expired"
+    return "failed"
 
 
 def _reason(exc: Exception) -> RejectReason:
@@ -55,10 +69,10 @@ class DecodeServer:
     """Owns one decode engine and its KV transfer backend.
 
     Constructor arguments are dumped settings: `engine` an `EngineConfig`, `transfer`
-    a `TransferConfig`.
+    a `TransferConfig`, `telemetry` a `TelemetryConfig`.
     """
 
-    def __init__(self, engine: dict, threads: int, transfer: dict):
+    def __init__(self, engine: dict, threads: int, transfer: dict, telemetry: dict | None = None):
         self.transfer = TransferConfig.model_validate(transfer)
         self.replica_id = replica_id()
         self.aengine = start_engine(EngineConfig.model_validate(engine), "decode", threads)
@@ -66,10 +80,35 @@ class DecodeServer:
         self.backend = make_backend(self.transfer.backend, self.replica_id, eng.model_id)
         self.backend.register(eng.kv_cache.data)
         self.counters = ImportCounters()
+        self.telemetry = ReplicaTelemetry(telemetry, "decode", self.replica_id, lambda: self.aengine.stats)
         log.info("decode replica %s ready (backend %s)", self.replica_id, self.backend.name)
 
-    async def _import(self, req: DecodeRequest) -> list[int] | None:
-        """Blocks holding the prompt's KV, or None to recompute. Raises ImportFailed."""
+    async def _import(self, req: DecodeRequest, parent: Span) -> list[int] | None:
+        """Blocks holding the prompt's KV, or None to recompute. Raises ImportFailed.
+        Traced as one `kv_transfer` span under `parent`, with its result."""
+        h = req.kv_handle
+        span = tracing.start_span("kv_transfer", parent, SpanKind.CLIENT, {
+            "duet.transfer.backend": h.backend,
+            "duet.transfer.blocks": h.num_blocks,
+            "duet.transfer.bytes": h.num_bytes,
+            "duet.transfer.prefill_replica": h.prefill_replica_id,
+            "duet.lease_id": h.lease_id,
+        })
+        try:
+            blocks = await self._pull(req, span)
+        except BaseException as e:
+            if isinstance(e, ImportFailed):
+                tracing.set_attributes(span, {"duet.transfer.result": _result(e.reason)})
+            tracing.end_span(span, e)
+            raise
+        if blocks is not None:
+            tracing.set_attributes(span, {"duet.transfer.result": "released"})
+        else:  # the import failed (its result is set) and the prompt is recomputed here
+            tracing.set_attributes(span, {"duet.transfer.recomputed": True})
+        tracing.end_span(span)
+        return blocks
+
+    async def _pull(self, req: DecodeRequest, span: Span) -> list[int] | None:
         h = req.kv_handle
         eng = self.aengine.engine
         timeout = self.transfer.timeout_s
@@ -80,8 +119,13 @@ class DecodeServer:
             if blocks is None:
                 reason, detail = RejectReason.NO_FREE_BLOCKS, "decode replica has no free KV blocks"
             else:
+                started = time.monotonic()
                 await asyncio.to_thread(pull_kv, self.backend, h, blocks, timeout_s=timeout)
+                pulled = time.monotonic() - started
                 self.counters.imported += 1
+                self.telemetry.metrics.inc(metrics.TRANSFER_BYTES, h.num_bytes, backend=h.backend)
+                self.telemetry.metrics.observe(metrics.TRANSFER_SECONDS, pulled, backend=h.backend)
+                tracing.set_attributes(span, {"duet.transfer.pull_ms": round(pulled * 1e3, 3)})
                 await asyncio.to_thread(release_lease, h, timeout)
                 return blocks
         except (TransferError, LayoutMismatch) as e:
@@ -90,6 +134,8 @@ class DecodeServer:
                 ids = blocks
                 await self.aengine.call(lambda: eng.release_blocks(ids))
         # Every failure path frees the prefill side at once.
+        self.telemetry.metrics.inc(metrics.TRANSFER_FAILURES, reason=reason.value)
+        tracing.set_attributes(span, {"duet.transfer.result": _result(reason), "duet.transfer.error": detail[:300]})
         if reason == RejectReason.NO_FREE_BLOCKS:
             self.counters.rejected += 1
         else:
@@ -102,16 +148,44 @@ class DecodeServer:
         raise ImportFailed(reason.value, detail)
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[list[RequestOutput]]:
+        span = tracing.start_span("decode", req.trace, SpanKind.SERVER, {
+            "duet.request_id": req.request_id,
+            "duet.replica": self.replica_id,
+            "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+        })
+        started = time.monotonic()
+        tokens = 0
+        error: BaseException | None = None
+        try:
+            async for outs in self._generate(req, span):
+                tokens += sum(len(o.new_token_ids) for o in outs)
+                if outs[-1].finished:
+                    self.telemetry.engine_request(span, outs[-1].metrics)
+                yield outs
+        except (asyncio.CancelledError, GeneratorExit):
+            tracing.set_attributes(span, {"duet.cancelled": True})  # the client left: not an error
+            raise
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            tracing.set_attributes(span, {"gen_ai.usage.output_tokens": tokens,
+                                          "duet.duration_ms": round((time.monotonic() - started) * 1e3, 3)})
+            tracing.end_span(span, error)
+
+    async def _generate(self, req: DecodeRequest, span: Span) -> AsyncIterator[list[RequestOutput]]:
         eng = self.aengine.engine
         # A cancelled call (the client left) must not cut an import short: a pull still
         # running in its thread writes into the reserved blocks. The import finishes on
         # its own and its blocks are freed then.
-        importing = asyncio.ensure_future(self._import(req))
+        started = time.monotonic()
+        importing = asyncio.ensure_future(self._import(req, span))
         try:
             blocks = await asyncio.shield(importing)
         except BaseException:  # cancelled, or the generator closed; a failed import cleans up itself
             importing.add_done_callback(self._discard_import)
             raise
+        tracing.set_attributes(span, {"duet.import_wait_ms": round((time.monotonic() - started) * 1e3, 3)})
 
         def start():
             try:

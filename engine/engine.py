@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from engine.hashing import model_fingerprint
 from engine.kv_events import KVEvent
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.request import FinishReason, Request, RequestMetrics, RequestOutput, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler
@@ -274,6 +275,8 @@ class Engine:
         return tail
 
     def _output(self, req: Request, new_ids: list[int], text: str, reason: FinishReason | None) -> RequestOutput:
+        if new_ids and req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_ids,
@@ -283,6 +286,7 @@ class Engine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
+            metrics=None if reason is None else _metrics(req),
         )
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -358,3 +362,14 @@ class Engine:
                     res.finish_reason = out.finish_reason
                     pending.discard(out.request_id)
         return [results[r] for r in rids]
+
+
+def _metrics(req: Request) -> RequestMetrics:
+    return RequestMetrics(
+        arrival_time=req.arrival_time,
+        first_scheduled_time=req.first_scheduled_time,
+        first_token_time=req.first_token_time,
+        finished_time=time.monotonic(),
+        num_preemptions=req.num_preemptions,
+        cached_tokens_by_source=dict(req.cached_tokens_by_source),
+    )

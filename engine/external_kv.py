@@ -30,6 +30,10 @@ class ExternalKVCache(Protocol):
         table, position p lives in block_ids[p // block_size]). `start` and `end`
         are chunk-aligned. Returns `t` such that [start, t) was written."""
 
+    # Optional: an attribute `last_load_sources: dict[str, int]`, the tokens of the
+    # last `load` by where they came from (e.g. {"cpu": 256, "redis": 128}); the engine
+    # reads it right after `load`, on the same thread, for each request's metrics.
+
     def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> None:
         """Keep the KV of the leading full chunks of `num_tokens` computed tokens."""
 

@@ -117,6 +117,12 @@ class KVCacheManager:
         if end < match.external_end:
             self.external_stats.load_failures += 1
         req.num_computed_tokens = end
+        # An external cache may say where the tokens of its last load came from
+        # (prefill/kv_tier: LMCache's cpu / disk / redis); else they count as "external".
+        sources = getattr(self.external, "last_load_sources", None) or {"external": end - match.external_start}
+        for source, n in sources.items():
+            if n > 0:
+                req.cached_tokens_by_source[source] = req.cached_tokens_by_source.get(source, 0) + n
 
     def store_external(self, req: Request) -> None:
         """The prompt's KV is complete: offer its full chunks to the external cache."""

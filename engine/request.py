@@ -47,6 +47,11 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    # When it was first scheduled and sampled its first token (monotonic), and where its
+    # cached prompt tokens came from: for traces and queue-wait metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -83,6 +88,25 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """How one request went through one engine (monotonic seconds); on the final
+    output only. `cached_tokens_by_source`: `pool` (the engine's own prefix cache)
+    and the external cache's sources (e.g. LMCache `cpu`, `disk`, `redis`)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+    num_preemptions: int
+    cached_tokens_by_source: dict[str, int]
+
+    @property
+    def queue_s(self) -> float:
+        """Waiting before the first step (the whole life of a request never scheduled)."""
+        return (self.first_scheduled_time or self.finished_time) - self.arrival_time
+
+
 @dataclass
 class RequestOutput:
     """One step's news about one request."""
@@ -96,3 +120,4 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    metrics: RequestMetrics | None = None  # set when finished

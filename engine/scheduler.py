@@ -10,6 +10,7 @@ back to the head of the queue with its generated tokens kept.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -103,6 +104,8 @@ class Scheduler:
             (out.decodes if n == 1 else out.prefills).append(ScheduledRequest(req, n))
             scheduled.add(req.request_id)
             budget -= n
+            if req.first_scheduled_time is None:  # imported KV: its first step
+                req.first_scheduled_time = time.monotonic()
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
@@ -116,6 +119,10 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
+                req.first_scheduled_time = time.monotonic()
+                pool_tokens = min(len(match.blocks) * self.kv.block_size, req.num_computed_tokens)
+                if pool_tokens:
+                    req.cached_tokens_by_source["pool"] = pool_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             (out.decodes if n == 1 else out.prefills).append(ScheduledRequest(req, n))

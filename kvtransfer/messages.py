@@ -103,6 +103,7 @@ class DecodeRequest:
     first_token: int
     sampling: Any
     kv_handle: KVHandle
+    trace: dict[str, str] | None = None  # the gateway's W3C trace context (telemetry/tracing.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))

@@ -27,6 +27,9 @@ from kvtransfer.handoff import KVExporter
 from kvtransfer.messages import PrefillResult
 from kvtransfer.replica import node_ip, replica_id
 from prefill.kv_tier.config import KVTierConfig
+from telemetry import tracing
+from telemetry.replica import ReplicaTelemetry
+from telemetry.tracing import SpanKind
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,12 @@ class PrefillServer:
 
     Constructor arguments are dumped settings (plain dicts, as Serve configs carry
     them): `engine` an `EngineConfig`, `transfer` a `TransferConfig`, `cache` a
-    `KVTierConfig`, `prefix_index` a `PrefixIndexConfig`.
+    `KVTierConfig`, `prefix_index` a `PrefixIndexConfig`, `telemetry` a `TelemetryConfig`.
     """
 
-    def __init__(self, engine: dict, threads: int, transfer: dict, cache: dict, prefix_index: dict):
+    def __init__(
+        self, engine: dict, threads: int, transfer: dict, cache: dict, prefix_index: dict, telemetry: dict | None = None
+    ):
         engine_cfg = EngineConfig.model_validate(engine)
         transfer_cfg = TransferConfig.model_validate(transfer)
         tier_cfg = KVTierConfig.model_validate(cache)
@@ -62,6 +67,7 @@ class PrefillServer:
             backend, self.replica_id, self._free_blocks, lease_ttl_s=transfer_cfg.lease_ttl_s, host=node_ip()
         )
         eng.on_export = lambda export: self.exporter.grant(export.request_id, export.block_ids)
+        self.telemetry = ReplicaTelemetry(telemetry, "prefill", self.replica_id, self._engine_stats)
         self._closed = False
         log.info("prefill replica %s ready (backend %s)", self.replica_id, backend.name)
 
@@ -69,6 +75,9 @@ class PrefillServer:
         eng = self.aengine.engine
         ids = list(block_ids)
         self.aengine.submit(lambda: eng.release_blocks(ids))
+
+    def _engine_stats(self) -> dict:
+        return {**self.aengine.stats, **(self.tier.as_dict() if self.tier is not None else {})}
 
     def record_routing_stats(self) -> dict:
         """Read by Serve every `router.stats_period_s` and handed to every router."""
@@ -87,9 +96,38 @@ class PrefillServer:
         return out
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        session_id: str | None = None,
+        trace: dict | None = None,
     ) -> PrefillResult:
-        """`session_id` is a routing hint only (routing/router/serve_routers.py)."""
+        """`session_id` is a routing hint only (routing/router/serve_routers.py);
+        `trace` the caller's W3C trace context (telemetry/tracing.py)."""
+        span = tracing.start_span(
+            "prefill", trace, SpanKind.SERVER,
+            {"duet.request_id": request_id, "duet.replica": self.replica_id,
+             "gen_ai.usage.input_tokens": len(prompt_token_ids)},
+        )
+        try:
+            result = await self._prefill(request_id, prompt_token_ids, sampling, span)
+        except asyncio.CancelledError:
+            tracing.set_attributes(span, {"duet.cancelled": True})  # the client left: not an error
+            tracing.end_span(span)
+            raise
+        except BaseException as e:
+            tracing.end_span(span, e)
+            raise
+        tracing.set_attributes(span, {
+            "gen_ai.usage.cache_read.input_tokens": result.num_cached_tokens,
+            "duet.lease_id": result.kv_handle.lease_id if result.kv_handle else None,
+            "duet.kv_blocks": result.kv_handle.num_blocks if result.kv_handle else 0,
+        })
+        tracing.end_span(span)
+        return result
+
+    async def _prefill(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, span) -> PrefillResult:
         eng = self.aengine.engine
         stream = await self.aengine.add(
             request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id)
@@ -98,6 +136,7 @@ class PrefillServer:
         async for outs in stream:
             final = outs[-1]
         assert final is not None and final.finished
+        self.telemetry.engine_request(span, final.metrics)
         if final.finish_reason == FinishReason.ABORT:
             raise asyncio.CancelledError(f"{request_id} aborted")
         handle = None
@@ -133,7 +172,7 @@ class PrefillServer:
         if self._closed:
             return
         self._closed = True
-        for close in (self.exporter.close, self.exporter.backend.close, self.aengine.shutdown, self.events.close):
+        for close in (self.telemetry.close, self.exporter.close, self.exporter.backend.close, self.aengine.shutdown, self.events.close):
             try:
                 close()
             except Exception:

@@ -52,6 +52,8 @@ class KVTier:
         self.kv = kv
         self.block_size = block_size
         self.stats = KVTierStats()
+        # Tokens of the last `retrieve` by tier (read by the engine right after `load`).
+        self.last_load_sources: dict[str, int] = {}
         self._lock = threading.Lock()
         self._instance_id = f"duet-{uuid.uuid4().hex[:12]}"
         _, num_layers, _, _, num_kv_heads, head_dim = kv.shape
@@ -170,9 +172,11 @@ class KVTier:
             # to the first tier that holds it.
             covered = start
             bytes_per_token = self._bytes_per_token()
+            self.last_load_sources = {}
             for name, _ in TIERS:
                 upto = min(per_tier.get(name, 0), loaded)
                 if upto > covered:
+                    self.last_load_sources[name] = upto - covered
                     t = self.stats.tiers[name]
                     t.hit_tokens += upto - covered
                     t.hit_bytes += (upto - covered) * bytes_per_token

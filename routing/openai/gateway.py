@@ -18,9 +18,11 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from engine.config import EngineConfig
+from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from engine.weights import served_model_name
+from kvtransfer.replica import replica_id
 from routing.openai import pipeline
 from routing.openai.access import APIKeys, KeyLimiter, read_body
 from routing.openai.metrics import GatewayMetrics
@@ -31,6 +33,9 @@ from routing.openai.protocol import make_response_id
 from routing.openai.stream import ChatStream, CompletionStream, build_chat_response, build_completion_response
 from routing.openai.config import GatewayConfig
 from routing.openai.stream import sse_error
+from telemetry import metrics, tracing
+from telemetry.config import TelemetryConfig
+from telemetry.tracing import Context, SpanKind
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,31 @@ def _session(request: Request) -> str | None:
     return request.headers.get("x-session-id") or None
 
 
+def _trace_parent(request: Request) -> Context | None:
+    """The client's W3C trace context: its request becomes part of the client's trace."""
+    return tracing.context_from_headers(request.headers)
+
+
+# gen_ai.operation.name of each endpoint (OpenTelemetry GenAI semantic conventions).
+_OPERATION = {"chat": "chat", "completions": "text_completion"}
+
+
+def _request_attributes(call: "_Call") -> dict:
+    sp = call.sampling
+    return {
+        "gen_ai.operation.name": _OPERATION[call.endpoint],
+        "gen_ai.system": "duet",
+        "gen_ai.request.model": call.model,
+        "gen_ai.response.model": call.model,
+        "gen_ai.response.id": call.request_id,
+        "gen_ai.request.max_tokens": sp.max_tokens,
+        "gen_ai.request.temperature": sp.temperature,
+        "gen_ai.request.top_p": sp.top_p,
+        "gen_ai.request.seed": sp.seed,
+        "duet.request_id": call.request_id,
+    }
+
+
 @dataclass(frozen=True)
 class _Call:
     """One generation request as the gateway runs it."""
@@ -59,6 +89,8 @@ class _Call:
     sampling: SamplingParams
     session: str | None  # `x-session-id`: an affinity hint for the prefill router
     key: str  # the caller's API key id
+    model: str  # the served model name
+    trace_parent: Context | None = None  # the client's `traceparent`, if it sent one
 
     @property
     def cost(self) -> int:
@@ -71,9 +103,12 @@ class _Call:
 class Gateway:
     """Owns the HTTP surface, the tokenizer and the handles to the pools."""
 
-    def __init__(self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None):
-        """`gateway` and `engine` are a dumped `GatewayConfig` and the pools' `EngineConfig`;
-        `aggregated` set means aggregated mode, else `prefill` and `decode` are the pools."""
+    def __init__(
+        self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None, telemetry: dict | None = None
+    ):
+        """`gateway`, `engine` and `telemetry` are a dumped `GatewayConfig`, the pools'
+        `EngineConfig` and a `TelemetryConfig`; `aggregated` set means aggregated mode,
+        else `prefill` and `decode` are the pools."""
         self.cfg = GatewayConfig.model_validate(gateway)
         self.engine_cfg = EngineConfig.model_validate(engine)
         self.mode = "aggregated" if aggregated is not None else "disaggregated"
@@ -81,7 +116,9 @@ class Gateway:
         self.max_model_len = self.engine_cfg.max_model_len
         self.tokenizer = load_tokenizer(self.engine_cfg.model)
         self.prefill, self.decode, self.aggregated = prefill, decode, aggregated
-        self.metrics = GatewayMetrics()
+        tracing.setup_tracing(TelemetryConfig.model_validate(telemetry or {}), "gateway")
+        self.metrics = GatewayMetrics(replica_id())
+        self.record = self.metrics.recorder
         self.keys = APIKeys.load(self.cfg.api_keys_file)
         self.limiter = KeyLimiter(self.cfg.max_in_flight_per_key, self.cfg.tokens_per_minute_per_key)
         self.in_flight = 0
@@ -139,7 +176,9 @@ class Gateway:
             raise invalid_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
         ids = await asyncio.to_thread(self.tokenizer.encode, text)
         sp = req.to_sampling_params(len(ids), self.max_model_len)
-        call = _Call("chat", make_response_id("chat"), ids, sp, _session(request), key)
+        call = _Call(
+            "chat", make_response_id("chat"), ids, sp, _session(request), key, self.model_name, _trace_parent(request)
+        )
         self._admit(call)
         if req.stream:
             builder = ChatStream(
@@ -165,7 +204,10 @@ class Gateway:
         if not ids:
             raise invalid_request("prompt must not be empty", "prompt")
         sp = req.to_sampling_params(len(ids), self.max_model_len)
-        call = _Call("completions", make_response_id("completion"), ids, sp, _session(request), key)
+        call = _Call(
+            "completions", make_response_id("completion"), ids, sp, _session(request), key, self.model_name,
+            _trace_parent(request),
+        )
         self._admit(call)
         logprobs = req.logprobs is not None
         if req.stream:
@@ -205,50 +247,74 @@ class Gateway:
         if self.in_flight >= self.cfg.max_pending_requests:
             raise overloaded(f"{self.in_flight} requests in flight; retry later")
 
-    def _run(self, call: _Call, timing: pipeline.Timing):
+    def _run(self, call: _Call, timing: pipeline.Timing, trace: dict | None):
         if self.aggregated is not None:
-            return pipeline.aggregated(self.aggregated, call.request_id, call.prompt_ids, call.sampling, timing)
+            return pipeline.aggregated(self.aggregated, call.request_id, call.prompt_ids, call.sampling, timing, trace)
         return pipeline.disaggregated(
-            self.prefill, self.decode, call.request_id, call.prompt_ids, call.sampling, timing, call.session
+            self.prefill, self.decode, call.request_id, call.prompt_ids, call.sampling, timing, call.session, trace
         )
 
     async def _observed(self, call: _Call):
-        """The pipeline's batches, with latency metrics and in-flight accounting."""
+        """The pipeline's batches, with latency metrics, in-flight accounting and the
+        request's SERVER span (the root of its trace, or a child of the client's)."""
         self._check_capacity()
         self.limiter.acquire(call.key)
         self.in_flight += 1
-        self.metrics.in_flight.set(self.in_flight)
+        self.record.set(metrics.IN_FLIGHT, self.in_flight)
         timing = pipeline.Timing()
-        last = None
+        span = tracing.start_span(
+            f"{_OPERATION[call.endpoint]} {call.model}", call.trace_parent, SpanKind.SERVER, _request_attributes(call)
+        )
+        last = first = None
         n_out = 0
-        status = "error"
+        usage: RequestOutput | None = None
+        finish = None
+        status, error = "error", None
         try:
-            async for outs in self._run(call, timing):
+            async for outs in self._run(call, timing, tracing.carrier(span)):
                 now = time.monotonic()
                 if last is None:
-                    self.metrics.ttft.observe(now - timing.start)
-                    self.metrics.prompt_tokens.inc(outs[0].num_prompt_tokens)
-                    self.metrics.cached_tokens.inc(outs[0].num_cached_tokens)
+                    first = now
+                    self.record.observe(metrics.TTFT, now - timing.start)
+                    self.record.inc(metrics.PROMPT_TOKENS, outs[0].num_prompt_tokens)
+                    self.record.inc(metrics.CACHED_TOKENS, outs[0].num_cached_tokens)
+                    usage = outs[0]
                 else:
-                    self.metrics.itl.observe(now - last)
+                    self.record.observe(metrics.ITL, now - last)
                 last = now
                 n_out += sum(len(o.new_token_ids) for o in outs)
+                finish = outs[-1].finish_reason or finish
                 yield outs
             status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
             raise
+        except BaseException as e:
+            error = e
+            raise
         finally:
             self.limiter.release(call.key)
             self.in_flight -= 1
-            self.metrics.in_flight.set(self.in_flight)
-            self.metrics.requests.labels(call.endpoint, status).inc()
-            self.metrics.output_tokens.inc(n_out)
-            e2e = time.monotonic() - timing.start
-            self.metrics.e2e.observe(e2e)
-            if status == "ok" and n_out > 1 and last is not None:
-                first = e2e - (time.monotonic() - last)
-                self.metrics.tpot.observe(max(0.0, (e2e - first) / (n_out - 1)))
+            self.record.set(metrics.IN_FLIGHT, self.in_flight)
+            self.record.inc(metrics.REQUESTS, endpoint=call.endpoint, status=status)
+            self.record.inc(metrics.OUTPUT_TOKENS, n_out)
+            end = time.monotonic()
+            self.record.observe(metrics.E2E, end - timing.start)
+            tpot = None
+            if status == "ok" and n_out > 1 and first is not None and last is not None:
+                tpot = (last - first) / (n_out - 1)
+                self.record.observe(metrics.TPOT, tpot)
+            tracing.set_attributes(span, {
+                "gen_ai.usage.input_tokens": usage.num_prompt_tokens if usage else len(call.prompt_ids),
+                "gen_ai.usage.cache_read.input_tokens": usage.num_cached_tokens if usage else None,
+                "gen_ai.usage.output_tokens": n_out,
+                "gen_ai.response.finish_reasons": [finish.value] if finish is not None else None,
+                "duet.status": status,
+                "duet.ttft_ms": None if first is None else round((first - timing.start) * 1e3, 3),
+                "duet.tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
+                "duet.e2e_ms": round((end - timing.start) * 1e3, 3),
+            })
+            tracing.end_span(span, error)
 
     async def _collect(self, call: _Call):
         outs = []

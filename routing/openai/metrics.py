@@ -1,28 +1,32 @@
-"""Prometheus metrics of the gateway (`duet_*`), plus pool gauges refreshed from the
-replicas' stats at scrape time."""
+"""Prometheus metrics of the gateway: the per-request families of
+telemetry/metrics.py, recorded both for Ray's metrics agent (with pool and replica
+labels) and in this gateway's own registry (its `/metrics`), plus pool gauges
+refreshed from the replicas' stats at scrape time."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+from telemetry import metrics
+from telemetry.metrics import Recorder
+
+# Declared up front so `/metrics` lists them before the first request.
+GATEWAY_FAMILIES = (
+    metrics.TTFT, metrics.TPOT, metrics.ITL, metrics.E2E, metrics.REQUESTS, metrics.PROMPT_TOKENS,
+    metrics.CACHED_TOKENS, metrics.OUTPUT_TOKENS, metrics.IN_FLIGHT,
+)
 
 
 class GatewayMetrics:
-    """Owns the gateway's registry; one instance per gateway replica."""
+    """Owns the gateway's registry and recorder; one instance per gateway replica."""
 
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("duet_requests", "Requests by endpoint and outcome", ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("duet_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("duet_tpot_seconds", "Time per output token after the first", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("duet_itl_seconds", "Gap between streamed chunks", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("duet_e2e_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("duet_prompt_tokens", "Prompt tokens", registry=r)
-        self.cached_tokens = Counter("duet_cached_prompt_tokens", "Prompt tokens served from a KV cache", registry=r)
-        self.output_tokens = Counter("duet_output_tokens", "Generated tokens", registry=r)
-        self.in_flight = Gauge("duet_requests_in_flight", "Requests inside the gateway", registry=r)
-        self.pool = Gauge("duet_pool_stat", "Pool replica statistics (see `stat`)", ["pool", "replica", "stat"], registry=r)
+    def __init__(self, replica: str) -> None:
+        self.registry = CollectorRegistry()
+        self.recorder = Recorder("gateway", replica, registry=self.registry)
+        self.recorder.declare(*GATEWAY_FAMILIES)
+        self.pool = Gauge(
+            "duet_pool_stat", "Pool replica statistics (see `stat`)", ["pool", "replica", "stat"], registry=self.registry
+        )
 
     def observe_pool(self, pool: str, stats: dict) -> None:
         replica = str(stats.get("replica_id", "?"))

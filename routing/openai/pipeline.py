@@ -53,10 +53,14 @@ async def disaggregated(
     sp: SamplingParams,
     timing: Timing,
     session_id: str | None = None,
+    trace: dict[str, str] | None = None,
 ) -> AsyncIterator[list[RequestOutput]]:
+    """`session_id` is the router's affinity hint (routing/router/serve_routers.py);
+    `trace` the W3C context both pools continue (telemetry/tracing.py)."""
     try:
-        # `session_id` is the router's affinity hint (routing/router/serve_routers.py).
-        result: PrefillResult = await prefill_handle.prefill.remote(request_id, prompt_ids, sp, session_id=session_id)
+        result: PrefillResult = await prefill_handle.prefill.remote(
+            request_id, prompt_ids, sp, session_id=session_id, trace=trace
+        )
     except asyncio.CancelledError:
         raise
     except Exception as e:
@@ -81,7 +85,7 @@ async def disaggregated(
     ended = False  # decode streamed the request to its end
     try:
         yield first
-        req = DecodeRequest(request_id, tuple(prompt_ids), result.first_token, sp, result.kv_handle)
+        req = DecodeRequest(request_id, tuple(prompt_ids), result.first_token, sp, result.kv_handle, trace)
         stream = decode_handle.options(stream=True).generate.remote(req)
         try:
             async for outs in stream:
@@ -103,8 +107,10 @@ async def disaggregated(
             )
 
 
-async def aggregated(handle, request_id: str, prompt_ids: list[int], sp: SamplingParams, timing: Timing):
-    stream = handle.options(stream=True).generate.remote(request_id, prompt_ids, sp)
+async def aggregated(
+    handle, request_id: str, prompt_ids: list[int], sp: SamplingParams, timing: Timing, trace: dict | None = None
+):
+    stream = handle.options(stream=True).generate.remote(request_id, prompt_ids, sp, trace=trace)
     try:
         async for outs in stream:
             yield outs

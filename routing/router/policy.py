@@ -70,6 +70,7 @@ class RoutingDecision:
     cost: float
     # "prefix" | "load" | "imbalance" | "affinity" | "sampled" | "kv" | "no-fit"
     reason: str
+    candidates: tuple[tuple[str, float], ...] = ()  # (replica, cost) of every candidate
 
 
 def prefill_load(snapshot: ReplicaSnapshot, config: RouterConfig, block_size: int) -> float:
@@ -136,7 +137,7 @@ def choose_prefill(
         reason = "prefix"
     else:
         reason = "load"
-    return RoutingDecision(snap.replica_id, cached, costs[i], reason)
+    return RoutingDecision(snap.replica_id, cached, costs[i], reason, _candidates(snapshots, costs))
 
 
 def decode_cost(snapshot: ReplicaSnapshot, config: RouterConfig) -> float:
@@ -161,10 +162,15 @@ def choose_decode(
     fits = [s for s in snapshots if s.free_kv_blocks >= blocks_needed]
     if not fits:
         best = min(snapshots, key=lambda s: (-s.free_kv_blocks, s.running_requests, s.replica_id))
-        return RoutingDecision(best.replica_id, 0, decode_cost(best, config), "no-fit")
+        costs = [decode_cost(s, config) for s in snapshots]
+        return RoutingDecision(best.replica_id, 0, decode_cost(best, config), "no-fit", _candidates(snapshots, costs))
     costs = [decode_cost(s, config) for s in fits]
     i, sampled = _pick(costs, fits, config.temperature, rng)
-    return RoutingDecision(fits[i].replica_id, 0, costs[i], "sampled" if sampled else "kv")
+    return RoutingDecision(fits[i].replica_id, 0, costs[i], "sampled" if sampled else "kv", _candidates(fits, costs))
+
+
+def _candidates(snapshots: Sequence[ReplicaSnapshot], costs: Sequence[float]) -> tuple[tuple[str, float], ...]:
+    return tuple((s.replica_id, float(c)) for s, c in zip(snapshots, costs))
 
 
 def _pick(

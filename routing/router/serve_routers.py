@@ -65,7 +65,8 @@ from engine.hashing import block_hashes
 from routing.router.affinity import SessionAffinity
 from kvtransfer.events.log import events_after
 from kvtransfer.events.prefix_index import PrefixIndex, make_prefix_index
-from routing.router.policy import ReplicaSnapshot, RouterConfig, choose_decode, choose_prefill
+from routing.router.policy import ReplicaSnapshot, RouterConfig, RoutingDecision, choose_decode, choose_prefill
+from telemetry import metrics, tracing
 
 log = logging.getLogger("ray.serve")
 
@@ -114,6 +115,26 @@ class _LoadTracking:
         # this router has seen finish are taken off it (the report is older).
         self._completed: dict[str, deque[tuple[str | None, float, int]]] = {}
         self.decisions: Counter[str] = Counter()
+        self._metrics = metrics.Recorder(self.pool, "")
+
+    def _observe(self, decision: RoutingDecision, parent: dict | None, started: float, matched: int = 0) -> None:
+        """Count the decision and trace it as a `route <pool>` span of the request."""
+        self.decisions[decision.reason] += 1
+        self._metrics.inc(metrics.ROUTER_DECISIONS, reason=decision.reason, replica=decision.replica_id)
+        if self.pool == "prefill":
+            self._metrics.observe(metrics.ROUTER_OVERLAP, decision.cached_blocks, replica=decision.replica_id)
+        if parent is None or not tracing.enabled():
+            return
+        span = tracing.start_span(f"route {self.pool}", parent, start_time=started, attributes={
+            "duet.route.pool": self.pool,
+            "duet.route.replica": decision.replica_id,
+            "duet.route.reason": decision.reason,
+            "duet.route.cost": decision.cost,
+            "duet.route.overlap_blocks": decision.cached_blocks,
+            "duet.route.longest_match_blocks": matched,
+            "duet.route.candidates": [f"{r}={c:.2f}" for r, c in decision.candidates],
+        })
+        tracing.end_span(span)
 
     def _load(self, key: str, r: RunningReplica, tokens_stat: str, requests_stat: str) -> tuple[int, int]:
         """(tokens, requests) queued on a replica: its last report, less the requests
@@ -185,6 +206,8 @@ def _stat(replica: RunningReplica, name: str, default=0):
 
 class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
     """Owns one process's view of the prefill pool: prefix index, affinity, in-flight load."""
+
+    pool = "prefill"
 
     def initialize_state(
         self, config: dict | None = None, block_size: int = 16, model_fingerprint: str = "", seed: int | None = None
@@ -267,6 +290,7 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
         prompt = _prompt_ids(pending_request)
         if prompt is None:  # stats(), take_kv_events(), ...: any replica
             return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
+        started = time.monotonic()
         # Let completion callbacks already queued on this loop run first, so a request
         # that just finished is not counted as load.
         await asyncio.sleep(0)
@@ -281,7 +305,7 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
         decision = choose_prefill(
             len(prompt), snapshots, matched, self.config, self.block_size, self.affinity.get(session), self._rng
         )
-        self.decisions[decision.reason] += 1
+        self._observe(decision, pending_request.kwargs.get("trace"), started, max(matched.values(), default=0))
         self.affinity.record(session, decision.replica_id)
         to_compute = len(prompt) - decision.cached_blocks * self.block_size
         self._plan(pending_request, decision.replica_id, to_compute, len(prompt))
@@ -292,6 +316,8 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
 
 class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
     """Chooses a decode replica by free KV blocks and running sequences."""
+
+    pool = "decode"
 
     def initialize_state(self, config: dict | None = None, block_size: int = 16, seed: int | None = None) -> None:
         self.config = RouterConfig.model_validate(config or {})
@@ -313,6 +339,7 @@ class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
         handle = _kv_handle(pending_request)
         if handle is None:
             return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
+        started = time.monotonic()
         need = -(-handle.num_tokens // self.block_size) + 1
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         snapshots = []
@@ -328,7 +355,7 @@ class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
                 )
             )
         decision = choose_decode(snapshots, self.config, need, self._rng)
-        self.decisions[decision.reason] += 1
+        self._observe(decision, getattr(pending_request.args[0], "trace", None), started)
         self._plan(pending_request, decision.replica_id, need)  # tracked in blocks here
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
         return [[by_key[decision.replica_id]], *([r] for r in rest)]

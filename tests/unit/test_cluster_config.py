@@ -41,7 +41,8 @@ def test_defaults_are_the_rooms_defaults():
         ({"cache.disk_path": "/tmp/x"}, "cache"),
         ({"transfer.backend": "carrier-pigeon"}, "transfer.backend"),
         ({"gateway.port": 70000}, "gateway.port"),
-        ({"telemetry.service_name": "x"}, "telemetry"),  # deleted: nothing read it
+        ({"telemetry.sample_ratio": 2}, "telemetry.sample_ratio"),
+        ({"telemetry.exporter": "zipkin"}, "telemetry.exporter"),
         ({"slo.ttft_ms": 1}, "slo"),
     ],
 )

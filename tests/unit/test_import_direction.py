@@ -1,6 +1,6 @@
 """Imports between the rooms run one way (docs/ARCHITECTURE.md):
 
-    engine -> kvtransfer -> prefill, decode -> routing -> cluster
+    engine, telemetry -> kvtransfer -> prefill, decode -> routing -> cluster
 
 A room imports only rooms to its left; prefill and decode never import each other;
 nothing imports cluster (the composition root); loadgen is a client and imports no
@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-LEVEL = {"engine": 0, "kvtransfer": 1, "prefill": 2, "decode": 2, "routing": 3, "cluster": 4}
+LEVEL = {"engine": 0, "telemetry": 0, "kvtransfer": 1, "prefill": 2, "decode": 2, "routing": 3, "cluster": 4}
 CLIENTS = {"loadgen"}
 
 

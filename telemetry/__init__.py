@@ -1,0 +1,1 @@
+"""Traces and metrics for every room: set-up, span helpers, metric families."""

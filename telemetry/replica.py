@@ -1,0 +1,61 @@
+"""What every pool replica sets up for telemetry, and how it reports one request's
+pass through its engine (queue and compute, as spans and the queue-wait histogram)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from opentelemetry.trace import Span
+
+from telemetry import metrics, tracing
+from telemetry.config import TelemetryConfig
+
+
+class EngineRequestMetrics(Protocol):
+    """The engine's per-request record (engine/request.py `RequestMetrics`)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+    num_preemptions: int
+    cached_tokens_by_source: dict[str, int]
+
+    @property
+    def queue_s(self) -> float: ...
+
+
+class ReplicaTelemetry:
+    """Owns one replica's tracer set-up, metric recorder and engine-stats reporter."""
+
+    def __init__(self, config: Mapping | None, pool: str, replica: str, read_stats: Callable[[], Mapping]) -> None:
+        self.pool = pool
+        self.tracing = tracing.setup_tracing(TelemetryConfig.model_validate(config or {}), pool)
+        self.metrics = metrics.Recorder(pool, replica)
+        self.reporter = metrics.EngineStatsReporter(self.metrics, read_stats)
+
+    def engine_request(self, span: Span, m: EngineRequestMetrics | None) -> None:
+        """Queue wait into the histogram; on `span`: queue and compute child spans and
+        the request's engine attributes (cached tokens by source, preemptions)."""
+        if m is None:
+            return
+        self.metrics.observe(metrics.QUEUE_WAIT, m.queue_s)
+        if span is tracing.NO_SPAN:
+            return
+        scheduled = m.first_scheduled_time or m.finished_time
+        tracing.record_span(f"{self.pool}.queue", span, m.arrival_time, scheduled)
+        if m.first_scheduled_time is not None:
+            tracing.record_span(f"{self.pool}.compute", span, m.first_scheduled_time, m.finished_time)
+        attrs: dict[str, object] = {
+            "duet.queue_ms": round(m.queue_s * 1e3, 3),
+            "duet.preemptions": m.num_preemptions,
+        }
+        if m.first_token_time is not None and m.first_scheduled_time is not None:
+            attrs["duet.compute_to_first_token_ms"] = round((m.first_token_time - m.first_scheduled_time) * 1e3, 3)
+        for source, n in m.cached_tokens_by_source.items():
+            attrs[f"duet.cached_tokens.{source}"] = n
+        tracing.set_attributes(span, attrs)
+
+    def close(self) -> None:
+        self.reporter.close()
