@@ -73,6 +73,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from cluster.bench.cluster import main as cluster_main
 
         return cluster_main(rest)
+    if args.target == "tracing":
+        from cluster.bench.tracing import main as tracing_main
+
+        return tracing_main(rest)
     if args.target == "routing":
         from cluster.bench.routing import main as routing_main
 
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
-    b = sub.add_parser("bench", help="benchmarks: engine | serve | kv | cluster | routing", add_help=False)
+    b = sub.add_parser("bench", help="benchmarks: engine | serve | kv | cluster | routing | tracing", add_help=False)
     b.add_argument("target", choices=["engine", "serve", "kv", "cluster", "routing"])
 
     sub.add_parser("plan", help="capacity planner (see `duet plan --help`)", add_help=False)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Ray takes positive boundaries only; a 0-block overlap falls in the first bucket.
+BLOCK_BUCKETS = (0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BASE_LABELS = ("pool", "replica")
 
 

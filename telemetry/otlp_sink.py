@@ -137,6 +137,27 @@ class OTLPSink:
         self._server.server_close()
 
 
+def render_tree(spans: list[ReceivedSpan]) -> str:
+    """One trace as an indented tree: offset from the root's start, duration, process."""
+    if not spans:
+        return ""
+    ids = {s.span_id for s in spans}
+    children: dict[str | None, list[ReceivedSpan]] = {}
+    for s in spans:
+        children.setdefault(s.parent_span_id if s.parent_span_id in ids else None, []).append(s)
+    t0 = min(s.start_ns for s in spans)
+    lines = [f"{'span':44s}{'start ms':>10s}{'dur ms':>10s}  process"]
+
+    def walk(parent: str | None, depth: int) -> None:
+        for s in sorted(children.get(parent, []), key=lambda x: x.start_ns):
+            name = "  " * depth + s.name
+            lines.append(f"{name:44s}{(s.start_ns - t0) / 1e6:10.1f}{s.duration_ms:10.1f}  {s.component or '?'}")
+            walk(s.span_id, depth + 1)
+
+    walk(None, 0)
+    return "\n".join(lines)
+
+
 def _value(v):
     kind = v.WhichOneof("value")
     if kind == "array_value":

@@ -38,13 +38,13 @@ def _pool_stats(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
-def _loadgen(url: str, out: Path, args: list[str]) -> list[dict]:
+def run_loadgen(url: str, out: Path, args: list[str]) -> list[dict]:
     cmd = [sys.executable, "-m", "loadgen", "bench-serve", "--base-url", url, "--no-progress", "--out", str(out), *args]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads((out / "results.json").read_text())
 
 
-def _summ(point: dict) -> dict:
+def summarize(point: dict) -> dict:
     m = point["metrics"]
     return {
         "label": point.get("label", ""),
@@ -68,12 +68,12 @@ def bench_modes(concurrency: list[int], num_prompts: int, input_len: int, output
         url = serve_cli.start(cfg)
         try:
             with tempfile.TemporaryDirectory() as d:
-                points = _loadgen(
+                points = run_loadgen(
                     url, Path(d),
                     ["--concurrency", *map(str, concurrency), "--num-prompts", str(num_prompts),
                      "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos", "--warmup", "2"],
                 )
-            results[mode] = [dict(_summ(p), concurrency=c) for p, c in zip(points, concurrency)]
+            results[mode] = [dict(summarize(p), concurrency=c) for p, c in zip(points, concurrency)]
         finally:
             serve_cli.stop()
     return results
@@ -92,7 +92,7 @@ def bench_handoff(prompt_lens: list[int], requests: int, port: int) -> dict:
             for n in prompt_lens:
                 before = _pool_stats(url)
                 with tempfile.TemporaryDirectory() as d:
-                    point = _loadgen(
+                    point = run_loadgen(
                         url, Path(d),
                         ["--concurrency", "1", "--num-prompts", str(requests), "--input-len", str(n),
                          "--output-len", "4", "--ignore-eos", "--warmup", "1"],

@@ -1,5 +1,7 @@
 """The README's run command for real: `duet serve` in a subprocess starts its own
 Ray, serves an OpenAI chat request, and Ctrl-C (SIGINT) stops it and its Ray cleanly.
+`OTEL_EXPORTER_OTLP_ENDPOINT` in its environment (and nothing in its config) turns
+tracing on in every process: the request's spans reach a sink in this test.
 
 Runs in its own pytest invocation (scripts/test.sh), after the integration suite's
 Ray cluster is gone: the CLI starts a fresh one.
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import openai
 import pytest
+
+from telemetry.otlp_sink import OTLPSink
 
 pytestmark = pytest.mark.e2e
 
@@ -55,13 +59,21 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_duet_serve_answers_then_stops_cleanly_on_ctrl_c(tmp_path):
+@pytest.fixture
+def sink():
+    s = OTLPSink()
+    yield s
+    s.close()
+
+
+def test_duet_serve_answers_then_stops_cleanly_on_ctrl_c(tmp_path, sink):
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text(CONFIG)
     before = raylet_pids()
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
     proc = subprocess.Popen(
         [DUET, "serve", "--config", str(cfg), "--port", str(PORT), "--ready-timeout", "240"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         # A shell running us in the background may ignore SIGINT; the CLI must get it.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
@@ -104,6 +116,14 @@ def test_duet_serve_answers_then_stops_cleanly_on_ctrl_c(tmp_path):
         )
         assert "Paris" in r.choices[0].message.content
         assert r.usage.prompt_tokens_details.cached_tokens is not None
+
+        # One trace with spans from the gateway, prefill and decode processes.
+        def traced() -> bool:
+            roots = sink.find(**{"duet.request_id": r.id})
+            spans = sink.trace(roots[0].trace_id) if roots else []
+            return {"gateway", "prefill", "decode"} <= {s.component for s in spans}
+
+        assert sink.wait_for(traced, 60), sorted({(s.component, s.name) for s in sink.spans})
 
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=90)

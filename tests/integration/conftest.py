@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from duet_cluster import APP_NAME, CLUSTERS, PORT, Duet, cluster_config, wait_for
+from duet_cluster import APP_NAME, CLUSTERS, METRICS_PORT, PORT, Duet, cluster_config, wait_for
 
 
 def pytest_configure(config):
@@ -41,6 +41,9 @@ def ray_cluster():
         include_dashboard=False,
         logging_level=logging.WARNING,
         runtime_env={"env_vars": REPLICA_ENV},
+        # Replicas' metrics reach this node's agent every second (default 10 s).
+        _metrics_export_port=METRICS_PORT,
+        _system_config={"metrics_report_interval_ms": 1000},
     )
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     try:

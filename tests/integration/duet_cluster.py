@@ -30,6 +30,14 @@ BASE = {
     "gateway.port": PORT,
 }
 
+# Where the "traced" cluster exports spans (the test's OTLP sink), and where this
+# session's Ray metrics agent serves Prometheus (conftest.py's ray.init).
+OTLP_PORT = 14318
+METRICS_PORT = 18765
+# The "traced" cluster's decode pool: 16 blocks (256 tokens), so a long prompt's
+# import is refused (a failed transfer on its trace and in its metrics).
+TRACED_DECODE_BLOCKS = 16
+
 # The "secure" cluster's API keys, in the file its gateway reads.
 API_KEYS = ("sk-duet-test-a", "sk-duet-test-b", "sk-duet-test-c")
 KEYS_FILE = Path(tempfile.gettempdir()) / "duet-test-api-keys"
@@ -49,6 +57,13 @@ CLUSTERS: dict[str, dict] = {
         "gateway.max_in_flight_per_key": 1,
         "gateway.tokens_per_minute_per_key": TOKENS_PER_MINUTE,
         "gateway.max_body_bytes": MAX_BODY_BYTES,
+    },
+    # Every span to the test's OTLP sink, exported within 0.2 s.
+    "traced": {
+        "telemetry.tracing": True,
+        "telemetry.otlp_endpoint": f"http://127.0.0.1:{OTLP_PORT}",
+        "telemetry.export_delay_ms": 200,
+        "decode.num_kv_blocks": TRACED_DECODE_BLOCKS,
     },
 }
 

@@ -152,3 +152,33 @@ def test_chunk_size_must_be_a_multiple_of_block_size(make_engine):
     bad.chunk_size = 24
     with pytest.raises(ValueError, match="chunk_size"):
         e.attach_external_kv(bad)
+
+
+class SourcedTier(FakeTier):
+    """Says where its last load came from, as the LMCache tier does."""
+
+    def load(self, token_ids, block_ids, start, end) -> int:
+        got = super().load(token_ids, block_ids, start, end)
+        self.last_load_sources = {"cpu": got - start}
+        return got
+
+
+@pytest.mark.parametrize("tier_cls, source", [(SourcedTier, "cpu"), (FakeTier, "external")])
+def test_a_request_reports_its_cached_tokens_by_source(make_engine, tier_cls, source):
+    shared = prompt(48, seed=2)
+    long = shared + prompt(60, seed=3)
+    chunks: dict = {}
+    a = make_engine()
+    a.attach_external_kv(FakeTier(a.kv_cache.data, chunks, 16))
+    run(a, long)
+    b = make_engine()
+    tier_b = tier_cls(b.kv_cache.data, {}, 16)
+    b.attach_external_kv(tier_b)
+    run(b, shared)
+    tier_b.chunks = chunks
+    final = list(b.stream(long, GREEDY))[-1]
+    m = final.metrics
+    # 32 tokens from the pool (cut back to the chunk boundary), 64 loaded from the tier
+    assert m.cached_tokens_by_source == {"pool": 32, source: 64}
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert m.queue_s >= 0 and m.num_preemptions == 0

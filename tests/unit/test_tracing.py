@@ -94,3 +94,61 @@ def test_a_span_measured_before_keeps_its_times(traced):
     assert traced.wait_for(lambda: len(traced.spans) == 2, 10)
     queue = next(s for s in traced.spans if s.name == "decode.queue")
     assert queue.duration_ms == pytest.approx(200, abs=1)
+
+
+def test_grpc_export_reaches_an_otlp_grpc_receiver():
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    got: list[str] = []
+
+    class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (the gRPC method's name)
+            got.extend(s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        cfg = TelemetryConfig(tracing=True, otlp_protocol="grpc", otlp_endpoint=f"http://127.0.0.1:{port}")
+        assert tracing.setup_tracing(cfg, "t")
+        tracing.end_span(tracing.start_span("over grpc"))
+        tracing.flush()
+        assert got == ["over grpc"]
+    finally:
+        tracing.shutdown()
+        server.stop(None)
+
+
+def test_sampling_keeps_a_ratio_of_new_traces_and_every_sampled_parent(sink):
+    assert tracing.setup_tracing(TelemetryConfig(tracing=True, otlp_endpoint=sink.endpoint, sample_ratio=0.0), "t")
+    try:
+        dropped = tracing.start_span("new trace")
+        assert not dropped.is_recording()
+        # ...but its context still travels, so the other processes drop it too
+        sent = tracing.carrier(dropped)
+        assert sent is not None and sent["traceparent"].endswith("-00")
+        assert not tracing.start_span("child", sent).is_recording()
+        tracing.end_span(dropped)
+        ctx = tracing.context_from_headers({"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"})
+        tracing.end_span(tracing.start_span("client sampled it", ctx))
+        tracing.flush()
+        assert sink.wait_for(lambda: len(sink.spans) == 1, 10)
+        assert [s.name for s in sink.spans] == ["client sampled it"]
+    finally:
+        tracing.shutdown()
+
+
+def test_console_exporter_prints_spans():
+    code = (
+        "from telemetry import tracing\n"
+        "tracing.setup_tracing({'tracing': True, 'console': True}, 'gateway')\n"
+        "tracing.end_span(tracing.start_span('printed span'))\n"
+        "tracing.shutdown()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60)
+    assert '"name": "printed span"' in out.stdout
