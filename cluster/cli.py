@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
     b = sub.add_parser("bench", help="benchmarks: engine | serve | kv | cluster | routing | tracing", add_help=False)
-    b.add_argument("target", choices=["engine", "serve", "kv", "cluster", "routing"])
+    b.add_argument("target", choices=["engine", "serve", "kv", "cluster", "routing", "tracing"])
 
     sub.add_parser("plan", help="capacity planner (see `duet plan --help`)", add_help=False)
 

@@ -67,7 +67,6 @@ def _request_attributes(call: "_Call") -> dict:
     sp = call.sampling
     return {
         "gen_ai.operation.name": _OPERATION[call.endpoint],
-        "gen_ai.system": "duet",
         "gen_ai.request.model": call.model,
         "gen_ai.response.model": call.model,
         "gen_ai.response.id": call.request_id,
@@ -262,9 +261,11 @@ class Gateway:
         self.in_flight += 1
         self.record.set(metrics.IN_FLIGHT, self.in_flight)
         timing = pipeline.Timing()
-        span = tracing.start_span(
-            f"{_OPERATION[call.endpoint]} {call.model}", call.trace_parent, SpanKind.SERVER, _request_attributes(call)
-        )
+        span = tracing.NO_SPAN
+        if tracing.enabled():  # off: not even the attributes are built
+            span = tracing.start_span(
+                f"{_OPERATION[call.endpoint]} {call.model}", call.trace_parent, SpanKind.SERVER, _request_attributes(call)
+            )
         last = first = None
         n_out = 0
         usage: RequestOutput | None = None
@@ -304,17 +305,18 @@ class Gateway:
             if status == "ok" and n_out > 1 and first is not None and last is not None:
                 tpot = (last - first) / (n_out - 1)
                 self.record.observe(metrics.TPOT, tpot)
-            tracing.set_attributes(span, {
-                "gen_ai.usage.input_tokens": usage.num_prompt_tokens if usage else len(call.prompt_ids),
-                "gen_ai.usage.cache_read.input_tokens": usage.num_cached_tokens if usage else None,
-                "gen_ai.usage.output_tokens": n_out,
-                "gen_ai.response.finish_reasons": [finish.value] if finish is not None else None,
-                "duet.status": status,
-                "duet.ttft_ms": None if first is None else round((first - timing.start) * 1e3, 3),
-                "duet.tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
-                "duet.e2e_ms": round((end - timing.start) * 1e3, 3),
-            })
-            tracing.end_span(span, error)
+            if span is not tracing.NO_SPAN:
+                tracing.set_attributes(span, {
+                    "gen_ai.usage.input_tokens": usage.num_prompt_tokens if usage else len(call.prompt_ids),
+                    "gen_ai.usage.cache_read.input_tokens": usage.num_cached_tokens if usage else None,
+                    "gen_ai.usage.output_tokens": n_out,
+                    "gen_ai.response.finish_reasons": [finish.value] if finish is not None else None,
+                    "duet.status": status,
+                    "duet.ttft_ms": None if first is None else round((first - timing.start) * 1e3, 3),
+                    "duet.tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
+                    "duet.e2e_ms": round((end - timing.start) * 1e3, 3),
+                })
+                tracing.end_span(span, error)
 
     async def _collect(self, call: _Call):
         outs = []
