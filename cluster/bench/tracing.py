@@ -40,10 +40,8 @@ def one_trace(url: str, sink: OTLPSink, output_len: int) -> str:
     body = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": output_len,
             "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
-        first = next(line for line in r.iter_lines() if line.startswith("data: "))
-        for _ in r.iter_lines():
-            pass
-    rid = json.loads(first[6:])["id"]
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    rid = json.loads(events[0])["id"]
 
     def spans():
         roots = sink.find(**{"duet.request_id": rid})
