@@ -21,14 +21,18 @@ from routing.openai.gateway import Gateway
 REPLICA_ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def _options(name: str, pool: PoolConfig) -> dict:
+def _options(name: str, pool: PoolConfig, drain_at_least_s: float = 0.0) -> dict:
+    """Serve options of one pool. Stopping a replica drains it: Serve stops routing to
+    it and waits for its calls (streams) to end, then the replica's own shutdown waits
+    for what outlives them (a prefill replica's leases: `drain_at_least_s`)."""
     opts: dict = {
         "name": name,
         "ray_actor_options": {"num_cpus": pool.num_cpus, "runtime_env": {"env_vars": REPLICA_ENV}},
         "max_ongoing_requests": pool.max_ongoing_requests,
         "health_check_period_s": 2,
         "health_check_timeout_s": 10,
-        "graceful_shutdown_timeout_s": 5,
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "graceful_shutdown_timeout_s": max(pool.drain_timeout_s, drain_at_least_s),
     }
     if pool.autoscaling is None:
         opts["num_replicas"] = pool.replicas
@@ -94,7 +98,7 @@ def build_app(cfg: ClusterConfig):
         pool = serve.deployment(AggregatedServer).options(**_options("aggregated", cfg.aggregated))
         return gateway.bind(**gateway_args, aggregated=pool.bind(**_pool_args(cfg, cfg.aggregated)))
     routers = router_configs(cfg)
-    prefill_opts = _options("prefill", cfg.prefill)
+    prefill_opts = _options("prefill", cfg.prefill, drain_at_least_s=cfg.transfer.lease_ttl_s + 5)
     decode_opts = _options("decode", cfg.decode)
     if routers:
         prefill_opts["request_router_config"] = routers["prefill"]

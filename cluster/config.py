@@ -56,6 +56,9 @@ class PoolConfig(Strict):
     autoscaling: ServeAutoscaling | None = None
     # Overrides engine.num_kv_blocks for this pool only (e.g. a small decode pool).
     num_kv_blocks: int | None = Field(None, ge=2)
+    # A replica being stopped (scale-down, rolling update) gets no new work and keeps
+    # serving what it has (streams; a prefill replica's leases) this long at most.
+    drain_timeout_s: float = Field(60.0, ge=0)
 
 
 class ClusterConfig(Strict):

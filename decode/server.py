@@ -23,7 +23,8 @@ from engine.request import RequestOutput
 from kvtransfer.backends import make_backend
 from kvtransfer.backends.base import TransferError
 from kvtransfer.config import TransferConfig
-from kvtransfer.handoff import BackendMismatch, LeaseExpired, check_handle, pull_kv, reject_lease, release_lease
+from kvtransfer.handoff import BackendMismatch, LeaseExpired, PeerMismatch, check_handle, pull_kv, reject_lease
+from kvtransfer.handoff import release_lease
 from kvtransfer.layout import LayoutMismatch
 from kvtransfer.messages import DecodeRequest, ImportFailed, RejectReason
 from kvtransfer.replica import replica_id
@@ -34,7 +35,7 @@ from telemetry.tracing import Span, SpanKind
 log = logging.getLogger(__name__)
 
 # A mismatch is a deployment error: recomputing would hide it (docs/ARCHITECTURE.md).
-_NEVER_RECOMPUTE = (RejectReason.LAYOUT_MISMATCH, RejectReason.BACKEND_MISMATCH)
+_NEVER_RECOMPUTE = (RejectReason.LAYOUT_MISMATCH, RejectReason.BACKEND_MISMATCH, RejectReason.PEER_MISMATCH)
 
 
 @dataclass
@@ -60,6 +61,8 @@ def _reason(exc: Exception) -> RejectReason:
         return RejectReason.LAYOUT_MISMATCH
     if isinstance(exc, BackendMismatch):
         return RejectReason.BACKEND_MISMATCH
+    if isinstance(exc, PeerMismatch):
+        return RejectReason.PEER_MISMATCH
     if isinstance(exc, LeaseExpired):
         return RejectReason.LEASE_EXPIRED
     return RejectReason.TRANSFER_FAILED

@@ -32,6 +32,10 @@ class EngineDead(RuntimeError):
     pass
 
 
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine (the engine goes on serving the others)."""
+
+
 class AsyncEngine:
     """Owns the engine thread, the command queue and the per-request output queues."""
 
@@ -138,6 +142,9 @@ class AsyncEngine:
                 for item in batch:
                     if isinstance(item, BaseException):
                         raise EngineDead(str(item))
+                    if item.error is not None:
+                        finished = True  # the engine has already freed it
+                        raise RequestFailed(f"request {request_id} failed: {item.error}")
                 outs: list[RequestOutput] = batch  # type: ignore[assignment]
                 finished = outs[-1].finished
                 yield outs

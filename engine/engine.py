@@ -29,11 +29,15 @@ from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, RequestMetrics, RequestOutput, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequest, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.tokenizer import load_tokenizer
 from engine.weights import load_checkpoint, resolve_checkpoint
 
 log = logging.getLogger(__name__)
+
+# Steps in a row that fail every request they schedule before the engine gives up
+# (its replica's health check then fails and Serve replaces it).
+MAX_FAILED_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class Engine:
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self.num_steps = 0
+        self._failed_steps = 0  # steps in a row in which every scheduled request failed
 
     # ------------------------------------------------------------ identity
     @property
@@ -224,19 +229,83 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
+        """One forward over the scheduled batch. An exception inside it fails only the
+        requests that cause it (found by running them alone), never the engine: they
+        finish with `error` set and their blocks freed. `MAX_FAILED_STEPS` steps in a
+        row that make no progress at all mean the engine itself is broken: raise."""
         sched = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
         if not sched:
             return outputs
-        to_sample = [s.request for s in sched.scheduled if s.samples]
-        logits = self.runner.execute(sched)
+        sched, logits = self._execute(sched, outputs)
+        if not sched:
+            self._failed_steps += 1
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise RuntimeError(f"{self._failed_steps} engine steps in a row failed every request")
+            return outputs
+        self._failed_steps = 0
         self.scheduler.commit(sched)
         self.num_steps += 1
+        to_sample = [s.request for s in sched.scheduled if s.samples]
         if to_sample:
-            sampled = self.sampler(logits, to_sample)
-            for req, tok, lp in zip(to_sample, sampled.token_ids, sampled.logprobs):
-                outputs.append(self._append_token(req, tok, lp))
+            for req, tok, lp in self._sample(logits, to_sample, outputs):
+                try:
+                    outputs.append(self._append_token(req, tok, lp))
+                except Exception as e:
+                    outputs.append(self._fail(req, e))
         return outputs
+
+    def _execute(self, sched: SchedulerOutput, outputs: list[RequestOutput]):
+        """(what ran, its logits). When the batch raises, each request runs alone: those
+        that raise alone are failed and the rest run again together."""
+        try:
+            return sched, self.runner.execute(sched)
+        except Exception as e:
+            log.exception("engine step over %d requests failed; isolating the cause", len(sched.scheduled))
+            first_error = e
+        bad = set()
+        for s in sched.scheduled:
+            try:
+                self.runner.execute(SchedulerOutput(decodes=[s]) if s.num_new_tokens == 1 else SchedulerOutput(prefills=[s]))
+            except Exception as e:
+                bad.add(s.request.request_id)
+                outputs.append(self._fail(s.request, e))
+        rest = SchedulerOutput(
+            decodes=[s for s in sched.decodes if s.request.request_id not in bad],
+            prefills=[s for s in sched.prefills if s.request.request_id not in bad],
+        )
+        if not rest:
+            return rest, None
+        try:
+            return rest, self.runner.execute(rest)
+        except Exception as e:  # fails together, never alone: none of them can go on
+            for s in rest.scheduled:
+                outputs.append(self._fail(s.request, e if bad else first_error))
+            return SchedulerOutput(), None
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], outputs: list[RequestOutput]):
+        """(request, token, logprob) for each request; one whose sampling raises fails alone."""
+        try:
+            sampled = self.sampler(logits, reqs)
+            return list(zip(reqs, sampled.token_ids, sampled.logprobs))
+        except Exception:
+            log.exception("sampling %d requests failed; sampling them one by one", len(reqs))
+        out = []
+        for i, req in enumerate(reqs):
+            try:
+                one = self.sampler(logits[i : i + 1], [req])
+                out.append((req, one.token_ids[0], one.logprobs[0]))
+            except Exception as e:
+                outputs.append(self._fail(req, e))
+        return out
+
+    def _fail(self, req: Request, error: BaseException) -> RequestOutput:
+        """End one request because of an error inside the engine; its blocks are freed."""
+        log.error("request %s failed inside the engine: %s: %s", req.request_id, type(error).__name__, error)
+        self._finish(req, FinishReason.ABORT, None)
+        out = self._output(req, [], "", FinishReason.ABORT)
+        out.error = f"{type(error).__name__}: {error}"[:500]
+        return out
 
     def _append_token(self, req: Request, token: int, logprob) -> RequestOutput:
         req.token_ids.append(token)

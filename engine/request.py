@@ -121,3 +121,4 @@ class RequestOutput:
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None
     metrics: RequestMetrics | None = None  # set when finished
+    error: str | None = None  # set when it failed inside the engine (finish_reason ABORT)

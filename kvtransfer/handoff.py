@@ -39,6 +39,10 @@ class BackendMismatch(TransferError):
     """The handle was exported by a different transfer backend than this replica runs."""
 
 
+class PeerMismatch(TransferError):
+    """The handle's transfer peer is not the replica that granted its lease."""
+
+
 # ---------------------------------------------------------------- prefill side
 def make_handle(
     backend: KVTransferBackend,
@@ -111,6 +115,7 @@ class KVExporter:
     ) -> None:
         self.backend = backend
         self.replica_id = replica_id
+        self.lease_ttl_s = lease_ttl_s
         self.leases = LeaseTable(free_blocks, default_ttl_s=lease_ttl_s)
         self.control = control.ControlServer(self._on_control, host=host)
         self._stop = threading.Event()
@@ -154,6 +159,14 @@ class KVExporter:
             **self.control.stats(),
         }
 
+    def drain(self, timeout_s: float) -> int:
+        """Wait until every granted lease has ended (released, rejected or expired), at
+        most `timeout_s`; returns how many are still active. Grant nothing meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.leases) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(self.leases)
+
     def close(self) -> None:
         self._stop.set()
         self.control.close()
@@ -168,6 +181,12 @@ def check_handle(backend: KVTransferBackend, handle: KVHandle, clock: Callable[[
     if handle.backend != backend.name:
         raise BackendMismatch(f"handle from backend {handle.backend!r}, this replica runs {backend.name!r}")
     backend.fingerprint.check_compatible(handle.fingerprint)
+    # The peer must be the replica that granted the lease, with the layout it claims:
+    # its backend instance id is `<replica id>-<random>` (a restarted replica is a new peer).
+    backend.fingerprint.check_compatible(handle.peer.fingerprint)
+    peer, owner = handle.peer.peer_id, handle.prefill_replica_id
+    if peer != owner and not peer.startswith(f"{owner}-"):
+        raise PeerMismatch(f"peer {handle.peer.peer_id!r} is not replica {handle.prefill_replica_id!r}")
     lease_left = handle.seconds_left(clock()) - LEASE_SAFETY_MARGIN_S
     if lease_left <= 0:
         raise LeaseExpired(f"lease {handle.lease_id} of {handle.request_id} has expired")

@@ -120,10 +120,13 @@ class RejectReason(StrEnum):
     NO_FREE_BLOCKS = "no_free_blocks"
     LAYOUT_MISMATCH = "layout_mismatch"
     BACKEND_MISMATCH = "backend_mismatch"
+    PEER_MISMATCH = "peer_mismatch"  # the transfer peer is not the replica that granted the lease
     LEASE_EXPIRED = "lease_expired"
     TRANSFER_FAILED = "transfer_failed"
     # The gateway: the client went away between prefill and decode.
     CLIENT_DISCONNECTED = "client_disconnected"
+    # The gateway: the decode replica was lost and the request migrated elsewhere.
+    DECODE_LOST = "decode_lost"
 
 
 @dataclass(frozen=True)

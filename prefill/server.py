@@ -168,9 +168,18 @@ class PrefillServer:
         self.aengine.check_health()
 
     def shutdown(self) -> None:
-        """Stop the control port, transfers and engine, then the tier (bounded: see KVTier.close)."""
+        """Drain, then stop the control port, transfers and engine, then the tier
+        (bounded: see KVTier.close).
+
+        Serve calls this (through `__del__`) after it has stopped routing to the replica
+        and its calls have ended; the leases it granted outlive those calls, so it
+        waits for each to be released, rejected or expired (at most one lease TTL)
+        before the blocks a decode replica may be reading disappear."""
         if self._closed:
             return
+        left = self.exporter.drain(self.exporter.lease_ttl_s + 1.0)
+        if left:
+            log.warning("prefill replica stopping with %d leases still active", left)
         self._closed = True
         for close in (self.telemetry.close, self.exporter.close, self.exporter.backend.close, self.aengine.shutdown, self.events.close):
             try:

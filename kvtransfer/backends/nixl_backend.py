@@ -156,6 +156,11 @@ class NixlBackend(KVTransferBackend):
                 return state
             try:
                 name = self._agent.add_remote_agent(peer.agent_metadata)
+                if isinstance(name, bytes):
+                    name = name.decode()
+                if name != peer.peer_id:  # metadata of another agent than the handle names
+                    self._drop_locked(name)
+                    raise PeerDisconnected(f"NIXL metadata is agent {name!r}, the handle names {peer.peer_id!r}")
                 remote_dlist = self._agent.prep_xfer_dlist(
                     name, _block_descs(peer.base_addr, peer.bytes_per_block, peer.num_blocks, peer.device_id),
                     peer.mem_type,

@@ -23,6 +23,10 @@ class KVTierConfig(BaseModel):
     redis_timeout_s: float = Field(0.2, gt=0)
     # LMCache's shutdown can hang; a replica stops waiting for it after this long.
     close_timeout_s: float = Field(5.0, gt=0)
+    # Every key (Redis) and file (disk) of this cluster's tier starts with it: clusters
+    # sharing one Redis or one disk stay apart. Letters, digits and '-' only (LMCache
+    # splits keys at '@' and '/').
+    namespace: str = Field("duet", pattern=r"^[A-Za-z0-9-]{1,64}$")
 
     @model_validator(mode="after")
     def _tiers(self) -> KVTierConfig:

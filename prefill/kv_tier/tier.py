@@ -77,7 +77,7 @@ class KVTier:
         metadata = LMCacheMetadata(
             # Keys and file names embed the model name; a digest keeps them free
             # of the '@' and '/' that LMCache uses as separators.
-            model_name="duet-" + hashlib.sha256(model_fingerprint.encode()).hexdigest()[:16],
+            model_name=f"{config.namespace}-" + hashlib.sha256(model_fingerprint.encode()).hexdigest()[:16],
             world_size=1,
             local_world_size=1,
             worker_id=0,

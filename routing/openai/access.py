@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from routing.openai.errors import RATE_LIMIT, APIError, payload_too_large, unauthorized
+from routing.openai.errors import RATE_LIMIT, APIError, headers_too_large, payload_too_large, unauthorized
 
 KEYS_ENV = "DUET_API_KEYS"
 ANONYMOUS = "-"  # the key id of every caller of an open gateway
@@ -136,6 +136,16 @@ class KeyLimiter:
     def _check_slot(self, key: str) -> None:
         if self.max_in_flight is not None and self._in_flight.get(key, 0) >= self.max_in_flight:
             raise rate_limited(f"Too many requests in flight for this key (limit {self.max_in_flight}).", 1.0)
+
+
+def check_headers(raw: list[tuple[bytes, bytes]], max_bytes: int, max_count: int) -> None:
+    """431 when a request carries more than `max_count` header fields or `max_bytes`
+    of them (names + values): the proxy in front caps each line, not the total."""
+    if len(raw) > max_count:
+        raise headers_too_large(f"{len(raw)} fields (limit {max_count})")
+    size = sum(len(k) + len(v) for k, v in raw)
+    if size > max_bytes:
+        raise headers_too_large(f"{size} bytes (limit {max_bytes})")
 
 
 async def read_body(request, max_bytes: int) -> bytes:

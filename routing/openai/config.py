@@ -24,3 +24,15 @@ class GatewayConfig(BaseModel):
     tokens_per_minute_per_key: int | None = Field(None, ge=1)
     # A larger request body is refused with 413 before it is parsed.
     max_body_bytes: int = Field(4 << 20, ge=1024)
+    # A decode replica that dies mid-stream: continue the request elsewhere (re-prefill
+    # prompt + tokens so far, resume at the next token) at most this many times.
+    max_migrations: int = Field(1, ge=0, le=8)
+    # A prefill replica that dies before answering: try another one this many times.
+    prefill_retries: int = Field(1, ge=0, le=8)
+    # Header fields and their total bytes per request (431 beyond).
+    max_headers: int = Field(100, ge=8)
+    max_header_bytes: int = Field(32 << 10, ge=1024)
+    # A request still running after this long ends with a 504 (its KV and leases freed).
+    request_timeout_s: float | None = Field(600.0, gt=0)
+    # Origins a browser may call the API from; empty = CORS off (no CORS headers at all).
+    cors_allow_origins: tuple[str, ...] = ()

@@ -110,6 +110,16 @@ def payload_too_large(limit: int) -> APIError:
     return APIError(413, f"The request body exceeds {limit} bytes.", INVALID_REQUEST, None, "payload_too_large")
 
 
+def headers_too_large(what: str) -> APIError:
+    """431: more header bytes or header fields than `gateway.max_header_bytes` / `max_headers`."""
+    return APIError(431, f"Request headers too large: {what}.", INVALID_REQUEST, None, "headers_too_large")
+
+
+def deadline_exceeded(seconds: float) -> APIError:
+    """504: the request ran past `gateway.request_timeout_s`; whatever it held is freed."""
+    return APIError(504, f"The request did not finish within {seconds:g} s.", SERVER_ERROR, None, "timeout")
+
+
 def internal_error(message: str = "Internal server error.") -> APIError:
     return APIError(500, message, SERVER_ERROR, None, "internal_error")
 

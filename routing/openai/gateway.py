@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from ray import serve
@@ -24,7 +25,7 @@ from engine.tokenizer import load_tokenizer
 from engine.weights import served_model_name
 from kvtransfer.replica import replica_id
 from routing.openai import pipeline
-from routing.openai.access import APIKeys, KeyLimiter, read_body
+from routing.openai.access import APIKeys, KeyLimiter, check_headers, read_body
 from routing.openai.metrics import GatewayMetrics
 from routing.openai.errors import APIError, install_error_handlers, internal_error, model_not_found, overloaded
 from routing.openai.errors import invalid_request, not_ready
@@ -119,9 +120,16 @@ class Gateway:
         self.metrics = GatewayMetrics(replica_id())
         self.record = self.metrics.recorder
         self.keys = APIKeys.load(self.cfg.api_keys_file)
+        self.resilience = pipeline.Resilience(self.cfg.max_migrations, self.cfg.prefill_retries)
         self.limiter = KeyLimiter(self.cfg.max_in_flight_per_key, self.cfg.tokens_per_minute_per_key)
         self.in_flight = 0
         self._ready = False
+        if self.cfg.cors_allow_origins:
+            # Before the first request builds the middleware stack (FastAPI refuses after).
+            app.add_middleware(
+                CORSMiddleware, allow_origins=list(self.cfg.cors_allow_origins), allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type", "x-session-id", "traceparent", "tracestate"],
+            )
         if not self.keys.enabled:
             log.warning("gateway: no API keys configured (DUET_API_KEYS, gateway.api_keys_file): open to anyone")
 
@@ -222,7 +230,8 @@ class Gateway:
         return resp.model_dump(exclude_none=True)
 
     async def _accept(self, request: Request, model_cls):
-        """(the caller's key id, the parsed request): 401, 413, 400 or 404 otherwise."""
+        """(the caller's key id, the parsed request): 431, 401, 413, 400 or 404 otherwise."""
+        check_headers(request.headers.raw, self.cfg.max_header_bytes, self.cfg.max_headers)
         key = self.keys.authenticate(request.headers.get("authorization"))
         req = parse_request(model_cls, await read_body(request, self.cfg.max_body_bytes))
         self._check_model(req.model)
@@ -250,7 +259,8 @@ class Gateway:
         if self.aggregated is not None:
             return pipeline.aggregated(self.aggregated, call.request_id, call.prompt_ids, call.sampling, timing, trace)
         return pipeline.disaggregated(
-            self.prefill, self.decode, call.request_id, call.prompt_ids, call.sampling, timing, call.session, trace
+            self.prefill, self.decode, call.request_id, call.prompt_ids, call.sampling, timing, call.session, trace,
+            self.resilience,
         )
 
     async def _observed(self, call: _Call):
@@ -272,7 +282,7 @@ class Gateway:
         finish = None
         status, error = "error", None
         try:
-            async for outs in self._run(call, timing, tracing.carrier(span)):
+            async for outs in pipeline.within(self._run(call, timing, tracing.carrier(span)), self.cfg.request_timeout_s):
                 now = time.monotonic()
                 if last is None:
                     first = now
@@ -299,6 +309,8 @@ class Gateway:
             self.record.set(metrics.IN_FLIGHT, self.in_flight)
             self.record.inc(metrics.REQUESTS, endpoint=call.endpoint, status=status)
             self.record.inc(metrics.OUTPUT_TOKENS, n_out)
+            self.record.inc(metrics.MIGRATIONS, timing.migrations)
+            self.record.inc(metrics.PREFILL_RETRIES, timing.prefill_retries)
             end = time.monotonic()
             self.record.observe(metrics.E2E, end - timing.start)
             tpot = None
@@ -315,6 +327,8 @@ class Gateway:
                     "duet.ttft_ms": None if first is None else round((first - timing.start) * 1e3, 3),
                     "duet.tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
                     "duet.e2e_ms": round((end - timing.start) * 1e3, 3),
+                    "duet.migrations": timing.migrations,
+                    "duet.prefill_retries": timing.prefill_retries,
                 })
                 tracing.end_span(span, error)
 

@@ -5,20 +5,33 @@ imports the KV and streams the rest. Aggregated: one pool does both. Whatever en
 the stream early (client gone, replica dead) is handled here: in-flight Serve calls
 are cancelled, and a lease nobody will pull is rejected so prefill frees it now
 rather than at TTL.
+
+Replicas that die are survived here. A prefill replica that dies before answering:
+the call is tried on another one (`gateway.prefill_retries`). A decode replica that
+dies mid-stream: the request migrates (`gateway.max_migrations`): prefill computes
+prompt + the tokens already streamed (its prefix cache and the KV tier hold most of
+it), samples the next token, and another decode replica continues; the client sees
+one unbroken stream. Greedy output is the same as without the failure; seeded
+sampling and penalties restart from the migrated context (documented limits).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.request import RequestOutput
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from engine.async_engine import EngineDead
+from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.handoff import reject_lease
 from kvtransfer.messages import DecodeRequest, ImportFailed, PrefillResult, RejectReason
+from routing.openai.errors import deadline_exceeded
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +47,27 @@ class UpstreamError(RuntimeError):
 
 # A lease the gateway gives up is freed by its TTL anyway: never wait long to say so.
 _REJECT_TIMEOUT_S = 1.0
+# Errors that mean the replica (or its engine) is gone, not that the request is bad.
+_REPLICA_GONE = (RayActorError, ActorUnavailableError, EngineDead)
 
 
 @dataclass
 class Timing:
-    """When things happened for one request (monotonic seconds)."""
+    """When things happened for one request (monotonic seconds), and what it survived."""
 
     start: float = field(default_factory=time.monotonic)
     prefill_done: float | None = None
     first_token: float | None = None
+    migrations: int = 0
+    prefill_retries: int = 0
+
+
+@dataclass(frozen=True)
+class Resilience:
+    """How many replica deaths one request may survive (`gateway:` settings)."""
+
+    max_migrations: int = 0
+    prefill_retries: int = 0
 
 
 async def disaggregated(
@@ -54,57 +79,151 @@ async def disaggregated(
     timing: Timing,
     session_id: str | None = None,
     trace: dict[str, str] | None = None,
+    resilience: Resilience = Resilience(),
 ) -> AsyncIterator[list[RequestOutput]]:
     """`session_id` is the router's affinity hint (routing/router/serve_routers.py);
     `trace` the W3C context both pools continue (telemetry/tracing.py)."""
-    try:
-        result: PrefillResult = await prefill_handle.prefill.remote(
-            request_id, prompt_ids, sp, session_id=session_id, trace=trace
-        )
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        raise UpstreamError(f"prefill failed: {_short(e)}") from e
-    timing.prefill_done = time.monotonic()
-    first = [
-        RequestOutput(
-            request_id=request_id,
-            new_token_ids=[result.first_token],
-            text=result.text,
-            finished=result.finish_reason is not None,
-            finish_reason=result.finish_reason,
-            num_prompt_tokens=result.num_prompt_tokens,
-            num_cached_tokens=result.num_cached_tokens,
-            num_output_tokens=1,
-            logprobs=[result.first_token_logprobs] if result.first_token_logprobs else None,
-        )
-    ]
-    if result.kv_handle is None:
-        yield first
-        return
-    ended = False  # decode streamed the request to its end
-    try:
-        yield first
-        req = DecodeRequest(request_id, tuple(prompt_ids), result.first_token, sp, result.kv_handle, trace)
-        stream = decode_handle.options(stream=True).generate.remote(req)
+    generated: list[int] = []  # every token streamed so far, across migrations
+    view = _ClientView(request_id, len(prompt_ids))
+    while True:
+        sub_id = request_id if timing.migrations == 0 else f"{request_id}.m{timing.migrations}"
+        base = len(generated)
+        remaining = _remaining(sp, base)
+        if remaining is None:  # the lost replica had produced every token; only the end was lost
+            yield [view.final(FinishReason.LENGTH, base)]
+            return
+        context = prompt_ids + generated
+        result = await _prefill(prefill_handle, sub_id, context, remaining, session_id, trace, timing, resilience)
+        timing.prefill_done = timing.prefill_done or time.monotonic()
+        first = view.adapt(_first_output(result), base)
+        generated.append(result.first_token)
+        if result.kv_handle is None:
+            yield [first]
+            return
+        ended = False  # decode streamed the request to its end
+        lost = False  # the decode replica was lost: the request moves on
         try:
-            async for outs in stream:
-                yield outs
-            ended = True
-        except (asyncio.CancelledError, GeneratorExit):
-            stream.cancel()
+            yield [first]
+            req = DecodeRequest(sub_id, tuple(context), result.first_token, remaining, result.kv_handle, trace)
+            stream = decode_handle.options(stream=True).generate.remote(req)
+            try:
+                async for outs in stream:
+                    outs = [view.adapt(o, base) for o in outs]
+                    generated.extend(t for o in outs for t in o.new_token_ids)
+                    yield outs
+                ended = True
+                return
+            except (asyncio.CancelledError, GeneratorExit):
+                stream.cancel()
+                raise
+            except _REPLICA_GONE as e:
+                if timing.migrations >= resilience.max_migrations:
+                    raise UpstreamError(f"decode failed: {_short(e)}") from e
+                timing.migrations += 1
+                lost = True
+                log.warning("request %s: decode replica lost after %d tokens (%s); migrating (%d of %d)",
+                            request_id, len(generated), _short(e), timing.migrations, resilience.max_migrations)
+            except Exception as e:
+                raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
+        finally:
+            if not ended:
+                # Nobody will use this lease now: free the prefill blocks at once rather than
+                # at expiry. Decode may have ended it already (then this is a no-op), or may
+                # still be pulling: its copy is discarded with the cancelled call, never cached.
+                # Not awaited: a cancelled request's task is cancelled again at every await.
+                reason = RejectReason.DECODE_LOST if lost else RejectReason.CLIENT_DISCONNECTED
+                asyncio.get_running_loop().run_in_executor(
+                    None, reject_lease, result.kv_handle, reason, _REJECT_TIMEOUT_S
+                )
+
+
+async def _prefill(handle, request_id, prompt_ids, sp, session_id, trace, timing: Timing, resilience: Resilience):
+    """The prefill call, tried on another replica when the one it reached is gone."""
+    for attempt in range(resilience.prefill_retries + 1):
+        try:
+            return await handle.prefill.remote(request_id, prompt_ids, sp, session_id=session_id, trace=trace)
+        except asyncio.CancelledError:
             raise
+        except _REPLICA_GONE as e:
+            if attempt == resilience.prefill_retries:
+                raise UpstreamError(f"prefill failed: {_short(e)}") from e
+            timing.prefill_retries += 1
+            log.warning("request %s: prefill replica lost (%s); trying another", request_id, _short(e))
         except Exception as e:
-            raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
+            raise UpstreamError(f"prefill failed: {_short(e)}") from e
+
+
+async def within(batches: AsyncIterator, timeout_s: float | None) -> AsyncIterator:
+    """`batches` until `timeout_s` has passed since the first was asked for; then the
+    pipeline is cancelled (its Serve calls cancelled, its lease rejected) and a 504 raised."""
+    if timeout_s is None:
+        async for outs in batches:
+            yield outs
+        return
+    deadline = time.monotonic() + timeout_s
+    it = batches.__aiter__()
+    try:
+        while True:
+            try:
+                outs = await asyncio.wait_for(it.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise deadline_exceeded(timeout_s) from None
+            yield outs
     finally:
-        if not ended:
-            # Nobody will use this lease now: free the prefill blocks at once rather than
-            # at expiry. Decode may have ended it already (then this is a no-op), or may
-            # still be pulling: its copy is discarded with the cancelled call, never cached.
-            # Not awaited: a cancelled request's task is cancelled again at every await.
-            asyncio.get_running_loop().run_in_executor(
-                None, reject_lease, result.kv_handle, RejectReason.CLIENT_DISCONNECTED, _REJECT_TIMEOUT_S
-            )
+        await it.aclose()
+
+
+def _first_output(result: PrefillResult) -> RequestOutput:
+    return RequestOutput(
+        request_id=result.request_id,
+        new_token_ids=[result.first_token],
+        text=result.text,
+        finished=result.finish_reason is not None,
+        finish_reason=result.finish_reason,
+        num_prompt_tokens=result.num_prompt_tokens,
+        num_cached_tokens=result.num_cached_tokens,
+        num_output_tokens=1,
+        logprobs=[result.first_token_logprobs] if result.first_token_logprobs else None,
+    )
+
+
+@dataclass
+class _ClientView:
+    """Outputs as the client must see them whatever migrations happened: its request
+    id, its prompt length, output counts that include the tokens before a migration,
+    and the prompt's cached tokens as first measured."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int | None = None
+
+    def adapt(self, out: RequestOutput, tokens_before: int) -> RequestOutput:
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = out.num_cached_tokens
+        if tokens_before == 0 and out.request_id == self.request_id:
+            return out
+        return dataclasses.replace(
+            out,
+            request_id=self.request_id,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=out.num_output_tokens + tokens_before,
+        )
+
+    def final(self, reason: FinishReason, num_output_tokens: int) -> RequestOutput:
+        return RequestOutput(self.request_id, [], "", True, reason, self.num_prompt_tokens,
+                             self.num_cached_tokens or 0, num_output_tokens)
+
+
+def _remaining(sp: SamplingParams, done: int) -> SamplingParams | None:
+    """The sampling of the rest of a request after `done` tokens; None if nothing is left."""
+    if done == 0:
+        return sp
+    if done >= sp.max_tokens:
+        return None
+    return dataclasses.replace(sp, max_tokens=sp.max_tokens - done)
 
 
 async def aggregated(

@@ -263,6 +263,12 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
             self.index.apply(key, events)
         self._cursors[key] = (window.epoch, window.end)
 
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """A call found the replica dead before the controller said so: route around it now."""
+        super().on_replica_actor_died(replica_id)
+        self.remove_replica(replica_key(replica_id))
+        self._known.discard(replica_key(replica_id))
+
     def remove_replica(self, key: str) -> None:
         """A replica left the pool: forget its blocks, sessions and load."""
         self.index.remove_replica(key)
@@ -330,6 +336,10 @@ class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
         current = {replica_key(r.replica_id) for r in replicas}
         for key in set(self._inflight) - current:
             self._forget(key)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_key(replica_id))
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -39,9 +39,11 @@ METRICS_PORT = 18765
 TRACED_DECODE_BLOCKS = 16
 
 # The "secure" cluster's API keys, in the file its gateway reads.
-API_KEYS = ("sk-duet-test-a", "sk-duet-test-b", "sk-duet-test-c")
+API_KEYS = ("sk-duet-test-a", "sk-duet-test-b", "sk-duet-test-c", "sk-duet-test-d")
 KEYS_FILE = Path(tempfile.gettempdir()) / "duet-test-api-keys"
 TOKENS_PER_MINUTE = 1100
+REQUEST_TIMEOUT_S = 10.0
+CORS_ORIGIN = "https://app.example"
 MAX_BODY_BYTES = 8192
 
 # In deploy order; tests of one config run together.
@@ -51,12 +53,16 @@ CLUSTERS: dict[str, dict] = {
     "aggregated": {"mode": "aggregated"},
     # Short leases (TTL path) and a decode pool too small for long prompts (reject path).
     "small": {"transfer.lease_ttl_s": 3.0, "decode.num_kv_blocks": 4},
-    # API keys, one request in flight and 1,100 tokens a minute per key, 8 KiB bodies.
+    # API keys, one request in flight and 1,100 tokens a minute per key, 8 KiB bodies,
+    # 10 s per request, 40 header fields, one CORS origin.
     "secure": {
         "gateway.api_keys_file": str(KEYS_FILE),
         "gateway.max_in_flight_per_key": 1,
         "gateway.tokens_per_minute_per_key": TOKENS_PER_MINUTE,
         "gateway.max_body_bytes": MAX_BODY_BYTES,
+        "gateway.request_timeout_s": REQUEST_TIMEOUT_S,
+        "gateway.max_headers": 40,
+        "gateway.cors_allow_origins": [CORS_ORIGIN],
     },
     # Every span to the test's OTLP sink, exported within 0.2 s.
     "traced": {
@@ -65,6 +71,8 @@ CLUSTERS: dict[str, dict] = {
         "telemetry.export_delay_ms": 200,
         "decode.num_kv_blocks": TRACED_DECODE_BLOCKS,
     },
+    # Two replicas per pool, so a lost one can be survived (tests kill replicas: last).
+    "resilient": {"prefill.replicas": 2, "decode.replicas": 2},
 }
 
 

@@ -1,19 +1,22 @@
-"""The gateway's API keys and per-key limits on a real cluster: 401 without the right
-key on every generation endpoint, 413 for a body over the cap, 429 with Retry-After
-for a key's second request in flight and for its token budget; probes stay open;
-and no refused request costs a KV block."""
+"""The gateway's API keys and limits on a real cluster: 401 without the right key on
+every generation endpoint, 413 for a body over the cap, 431 for too many headers, 429
+with Retry-After for a key's second request in flight and for its token budget, 504
+past the request deadline (with everything it held freed); CORS only for the
+configured origin; probes stay open; and no refused request costs a KV block."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
-from duet_cluster import API_KEYS, MAX_BODY_BYTES, TOKENS_PER_MINUTE, wait_idle
+from duet_cluster import API_KEYS, CORS_ORIGIN, MAX_BODY_BYTES, REQUEST_TIMEOUT_S, TOKENS_PER_MINUTE, wait_idle
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster("secure")]
 
 CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
 COMPLETION = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
-KEY_A, KEY_B, KEY_C = API_KEYS
+KEY_A, KEY_B, KEY_C, KEY_D = API_KEYS
 
 
 def _post(duet, path: str, body: dict, key: str | None = None, **kw) -> httpx.Response:
@@ -77,3 +80,29 @@ def test_refused_requests_cost_no_kv_block(duet):
     wait_idle(duet)
     for pool in duet.pool_names():
         assert duet.stats(pool)["leases_active" if pool == "prefill" else "num_running"] == 0
+
+
+def test_too_many_headers_is_a_431(duet):
+    headers = {"authorization": f"Bearer {KEY_A}", **{f"x-pad-{i}": "1" for i in range(60)}}
+    r = httpx.post(f"{duet.url}/v1/completions", json=COMPLETION, headers=headers, timeout=60)
+    assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large", r.text
+
+
+def test_cors_answers_the_configured_origin_only(duet):
+    preflight = {"access-control-request-method": "POST", "access-control-request-headers": "authorization"}
+    ok = httpx.options(f"{duet.url}/v1/chat/completions", headers={"origin": CORS_ORIGIN, **preflight}, timeout=30)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == CORS_ORIGIN
+    other = httpx.options(f"{duet.url}/v1/chat/completions", headers={"origin": "https://evil.example", **preflight},
+                          timeout=30)
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_a_request_past_its_deadline_ends_with_a_504_and_frees_everything(duet):
+    body = {**COMPLETION, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{duet.url}/v1/completions", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {KEY_D}"}) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "timeout" and f"{REQUEST_TIMEOUT_S:g} s" in error["message"]
+    wait_idle(duet)

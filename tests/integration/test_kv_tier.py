@@ -103,6 +103,20 @@ def test_tiers_keyed_by_model_fingerprint(tmp_path):
         assert tier.lookup(TOKENS) == 0
 
 
+def test_tiers_of_other_namespaces_are_invisible(redis_server):
+    """Two clusters sharing one Redis (and one model) keep their KV apart."""
+    url = f"redis://127.0.0.1:{REDIS_PORT}/0"
+    ours, theirs = (KVTierConfig(redis_url=url, chunk_size=CHUNK, namespace=ns) for ns in ("team-a", "team-b"))
+    with KVTier(ours, make_kv(), FP) as a:
+        a.store(TOKENS, SRC_BLOCKS, len(TOKENS))
+        assert wait_lookup(a, TOKENS, STORED) == STORED
+        with KVTier(ours, make_kv(), FP) as same, KVTier(theirs, make_kv(), FP) as other:
+            assert wait_lookup(same, TOKENS, STORED) == STORED
+            assert other.lookup(TOKENS) == 0
+    with pytest.raises(ValueError):
+        KVTierConfig(namespace="a/b")
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="disk_path"):
         KVTierConfig(disk_path="/tmp/x")

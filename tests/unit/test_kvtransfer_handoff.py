@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvtransfer.backends.base import KVTransferBackend, PeerDisconnected, PeerInfo, TransferStats
-from kvtransfer.handoff import BackendMismatch, LeaseExpired, export_kv, pull_kv
+from kvtransfer.handoff import BackendMismatch, LeaseExpired, PeerMismatch, export_kv, pull_kv
 from kvtransfer.layout import LayoutMismatch
 from kvtransfer.lease import LeaseTable
 
@@ -81,6 +81,22 @@ def test_expired_lease_is_refused_before_pulling(world):
     clock.now += 29.5  # inside the safety margin
     with pytest.raises(LeaseExpired):
         pull_kv(decode, handle, [0, 1, 2], clock=clock)
+    assert torch.equal(dkv, before)
+
+
+def test_a_peer_that_is_not_the_lease_owner_is_refused(world):
+    """A handle naming one replica and carrying another's transfer peer (or a peer
+    whose layout differs from the handle's) is never pulled."""
+    import dataclasses
+
+    *_, decode, dkv, _, handle = world
+    before = dkv.clone()
+    with pytest.raises(PeerMismatch):
+        pull_kv(decode, dataclasses.replace(handle, prefill_replica_id="prefill#other"), [0, 1, 2], clock=Clock())
+    other_layout = dataclasses.replace(handle.peer.fingerprint, dtype="bfloat16")
+    forged = dataclasses.replace(handle, peer=dataclasses.replace(handle.peer, fingerprint=other_layout))
+    with pytest.raises(LayoutMismatch):
+        pull_kv(decode, forged, [0, 1, 2], clock=Clock())
     assert torch.equal(dkv, before)
 
 

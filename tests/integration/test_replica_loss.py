@@ -1,0 +1,137 @@
+"""Lost and stopped replicas on a real cluster: a decode replica killed mid-stream does
+not end the client's stream (the request migrates and the greedy text is unchanged);
+requests sent right after a prefill replica is killed are served by the other one; a
+decode replica removed by a scale-down finishes its streams first (no migration)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from duet_cluster import APP_NAME, wait_for, wait_idle
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster("resilient")]
+
+CHAT = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}], "max_tokens": 160,
+        "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+def _kill(replica_id: str) -> None:
+    """Kill one Serve replica's actor (`decode#abc` → SERVE_REPLICA::duet#decode#abc); Serve replaces it."""
+    import ray
+
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{replica_id}", namespace="serve"), no_restart=True)
+
+
+def _serving(duet, pool: str, request_id: str) -> str | None:
+    """The replica of `pool` whose engine holds `request_id` (stats calls land on a random one)."""
+    s = duet.stats(pool)
+    return s["replica_id"] if request_id in s["request_ids"] else None
+
+
+def _counter(duet, name: str) -> float:
+    text = httpx.get(f"{duet.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def _wait_replicas(pool: str, n: int) -> None:
+    from ray import serve
+
+    def healthy() -> bool:
+        d = serve.status().applications[APP_NAME].deployments[pool]
+        return d.status == "HEALTHY" and d.replica_states.get("RUNNING", 0) == n
+
+    wait_for(healthy, 240, interval=1, what=f"{n} healthy {pool} replicas")
+
+
+def _stream(duet, on_chunk=None) -> tuple[str, list[str]]:
+    """(text, events) of one streamed chat; `on_chunk(id, n_chunks)` after each content chunk."""
+    text, events, n = "", [], 0
+    with httpx.stream("POST", f"{duet.url}/v1/chat/completions", json=CHAT, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            events.append(line)
+            assert "error" not in event, event
+            delta = event["choices"][0]["delta"].get("content") if event.get("choices") else None
+            if delta:
+                text += delta
+                n += 1
+                if on_chunk is not None:
+                    on_chunk(event["id"], n)
+    return text, events
+
+
+def test_a_decode_replica_killed_mid_stream_does_not_end_the_stream(duet):
+    _wait_replicas("decode", 2)
+    reference, _ = _stream(duet)
+    before = _counter(duet, "duet_migrations_total")
+    killed: list[str] = []
+
+    def kill_at_tenth(request_id: str, n: int) -> None:
+        if n == 10 and not killed:
+            replica = wait_for(lambda: _serving(duet, "decode", request_id), 30, interval=0.01,
+                               what=f"the decode replica serving {request_id}")
+            _kill(replica)
+            killed.append(replica)
+
+    text, events = _stream(duet, kill_at_tenth)
+    assert killed, "the stream ended before its 10th chunk"
+    assert text == reference
+    assert _counter(duet, "duet_migrations_total") - before == 1
+    _wait_replicas("decode", 2)
+    wait_idle(duet, timeout=60)
+
+
+def test_requests_right_after_a_prefill_replica_dies_are_served(duet):
+    _wait_replicas("prefill", 2)
+    victim = duet.stats("prefill")["replica_id"]
+    _kill(victim)
+    t0 = time.monotonic()
+    for i in range(4):
+        body = {**CHAT, "stream": False, "max_tokens": 4,
+                "messages": [{"role": "user", "content": f"Say the number {i}."}]}
+        r = httpx.post(f"{duet.url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, (i, time.monotonic() - t0, r.text)
+    _wait_replicas("prefill", 2)
+    wait_idle(duet, timeout=60)
+
+
+def test_scaling_down_drains_the_replica_it_stops(duet):
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import load_config
+    from duet_cluster import BASE, CLUSTERS
+
+    _wait_replicas("decode", 2)
+    reference, _ = _stream(duet)
+    before = _counter(duet, "duet_migrations_total")
+    texts: dict[int, str] = {}
+    started = [threading.Event(), threading.Event()]
+
+    def client(i: int) -> None:
+        texts[i] = _stream(duet, lambda rid, n: started[i].set())[0]
+
+    # One stream per decode replica: the router sends the second where nothing runs.
+    threads = []
+    for i in range(2):
+        threads.append(threading.Thread(target=client, args=(i,)))
+        threads[-1].start()
+        assert started[i].wait(120)
+    one = load_config(None, {**BASE, **CLUSTERS["resilient"], "decode.replicas": 1})
+    serve.run(build_app(one), name=APP_NAME, route_prefix="/", blocking=False)
+    for t in threads:
+        t.join(300)
+    assert texts == {0: reference, 1: reference}
+    assert _counter(duet, "duet_migrations_total") == before  # drained, not lost
+    _wait_replicas("decode", 1)
+    serve.run(build_app(duet.cfg), name=APP_NAME, route_prefix="/", blocking=False)
+    _wait_replicas("decode", 2)
+    wait_idle(duet, timeout=60)

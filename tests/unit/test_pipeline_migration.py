@@ -1,0 +1,159 @@
+"""The gateway pipeline survives lost replicas (routing/openai/pipeline.py), with real
+engines behind fake Serve handles: a decode replica lost mid-stream migrates the
+request (greedy output unchanged, usage as if nothing happened); a prefill replica
+lost before answering is retried; past the limits the request fails cleanly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from kvtransfer.backends.base import PeerInfo
+from kvtransfer.layout import LayoutFingerprint
+from kvtransfer.messages import KVHandle, PrefillResult
+from routing.openai import pipeline
+
+pytestmark = pytest.mark.unit
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+FP = LayoutFingerprint("m", "float32", 16, 1, 1, 8)
+
+
+def _handle(request_id: str, n: int) -> KVHandle:
+    # No control address: releasing or rejecting it is a no-op here.
+    return KVHandle(request_id, "prefill#x", "fake", PeerInfo("p", FP), tuple(range(-(-n // 16))), n, FP, "lease",
+                    time.time() + 30)
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class FakePrefill:
+    """`prefill.remote(...)`: the engine computes the prompt and samples one token."""
+
+    def __init__(self, engine, die_times: int = 0):
+        self.engine, self.die_times, self.calls = engine, die_times, []
+        self.prefill = _Remote(self._prefill)
+
+    async def _prefill(self, request_id, prompt_ids, sp, session_id=None, trace=None):
+        self.calls.append((request_id, list(prompt_ids), sp.max_tokens))
+        if self.die_times:
+            self.die_times -= 1
+            raise ActorDiedError()
+        self.engine.add_request(list(prompt_ids), SamplingParams(**{**vars(sp), "max_tokens": 1}), request_id=request_id)
+        out = None
+        while self.engine.has_unfinished():
+            out = self.engine.step()[-1]
+        return PrefillResult(request_id, out.new_token_ids[0], _handle(request_id, len(prompt_ids)),
+                             out.num_cached_tokens, len(prompt_ids), text=out.text)
+
+
+class _Stream:
+    def __init__(self, agen):
+        self.agen = agen
+
+    def __aiter__(self):
+        return self.agen
+
+    def cancel(self):
+        pass
+
+
+class FakeDecode:
+    """`options(stream=True).generate.remote(req)`: continues after the first token;
+    the first `die_after` streams break after that many tokens (a lost replica)."""
+
+    def __init__(self, engine, die_after: list[int]):
+        self.engine, self.die_after, self.requests = engine, list(die_after), []
+        self.generate = _Remote(self._generate)
+
+    def options(self, stream: bool):
+        return self
+
+    def _generate(self, req):
+        self.requests.append(req)
+        limit = self.die_after.pop(0) if self.die_after else None
+        return _Stream(self._run(req, limit))
+
+    async def _run(self, req, limit):
+        e = self.engine
+        ids = [*req.prompt_token_ids, req.first_token]
+        e.add_request(ids, SamplingParams(**{**vars(req.sampling), "max_tokens": req.sampling.max_tokens - 1}),
+                      request_id=req.request_id)
+        sent = 0
+        while e.has_unfinished():
+            for out in e.step():
+                if limit is not None and sent == limit:
+                    e.abort(req.request_id)
+                    raise ActorDiedError()
+                out.num_prompt_tokens = len(req.prompt_token_ids)  # as a decode replica reports it
+                out.num_output_tokens += 1  # the first token came from prefill
+                sent += 1
+                yield [out]
+
+
+async def collect(gen):
+    return [o for outs in gen for o in outs] if not hasattr(gen, "__anext__") else [o async for outs in gen for o in outs]
+
+
+@pytest.fixture
+def prompt(engine):
+    return engine.tokenizer.encode("The capital of France is")
+
+
+@pytest.fixture
+def reference(make_engine, prompt):
+    e = make_engine()
+    e.add_request(list(prompt), GREEDY, request_id="ref")
+    outs = []
+    while e.has_unfinished():
+        outs += e.step()
+    return [t for o in outs for t in o.new_token_ids]
+
+
+async def test_a_lost_decode_replica_migrates_the_request(make_engine, prompt, reference):
+    prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[10])
+    timing = pipeline.Timing()
+    outs = await collect(pipeline.disaggregated(
+        prefill, decode, "req", prompt, GREEDY, timing, resilience=pipeline.Resilience(max_migrations=1)))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert timing.migrations == 1
+    # the continuation re-prefilled the prompt + the 11 tokens streamed (1 from prefill, 10 from decode)
+    assert prefill.calls[1] == ("req.m1", prompt + reference[:11], GREEDY.max_tokens - 11)
+    last = outs[-1]
+    assert (last.request_id, last.num_prompt_tokens, last.num_output_tokens) == ("req", len(prompt), GREEDY.max_tokens)
+    assert last.finished and last.finish_reason == FinishReason.LENGTH
+
+
+async def test_past_the_migration_limit_the_request_fails(make_engine, prompt):
+    prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[3, 3])
+    with pytest.raises(pipeline.UpstreamError, match="decode failed"):
+        await collect(pipeline.disaggregated(
+            prefill, decode, "req", prompt, GREEDY, pipeline.Timing(), resilience=pipeline.Resilience(1)))
+    with pytest.raises(pipeline.UpstreamError):
+        await collect(pipeline.disaggregated(
+            FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[3]), "req", prompt, GREEDY,
+            pipeline.Timing()))  # no migrations allowed
+
+
+async def test_a_lost_prefill_replica_is_retried(make_engine, prompt, reference):
+    prefill, decode = FakePrefill(make_engine(), die_times=1), FakeDecode(make_engine(), die_after=[])
+    timing = pipeline.Timing()
+    outs = await collect(pipeline.disaggregated(
+        prefill, decode, "req", prompt, GREEDY, timing, resilience=pipeline.Resilience(prefill_retries=1)))
+    assert [t for o in outs for t in o.new_token_ids] == reference and timing.prefill_retries == 1
+    with pytest.raises(pipeline.UpstreamError, match="prefill failed"):
+        await collect(pipeline.disaggregated(
+            FakePrefill(make_engine(), die_times=2), decode, "req2", prompt, GREEDY, pipeline.Timing(),
+            resilience=pipeline.Resilience(prefill_retries=1)))
+
+
+def test_nothing_left_to_generate_after_a_loss_ends_the_request():
+    assert pipeline._remaining(GREEDY, GREEDY.max_tokens) is None
+    assert pipeline._remaining(GREEDY, 4).max_tokens == GREEDY.max_tokens - 4
