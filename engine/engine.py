@@ -244,9 +244,9 @@ class Engine:
                 raise RuntimeError(f"{self._failed_steps} engine steps in a row failed every request")
             return outputs
         self._failed_steps = 0
+        to_sample = [s.request for s in sched.scheduled if s.samples]  # before commit moves progress
         self.scheduler.commit(sched)
         self.num_steps += 1
-        to_sample = [s.request for s in sched.scheduled if s.samples]
         if to_sample:
             for req, tok, lp in self._sample(logits, to_sample, outputs):
                 try:

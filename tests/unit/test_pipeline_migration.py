@@ -25,7 +25,7 @@ FP = LayoutFingerprint("m", "float32", 16, 1, 1, 8)
 
 def _handle(request_id: str, n: int) -> KVHandle:
     # No control address: releasing or rejecting it is a no-op here.
-    return KVHandle(request_id, "prefill#x", "fake", PeerInfo("p", FP), tuple(range(-(-n // 16))), n, FP, "lease",
+    return KVHandle(request_id, "prefill#x", "fake", PeerInfo("p", FP, 64), tuple(range(-(-n // 16))), n, FP, "lease",
                     time.time() + 30)
 
 
@@ -99,7 +99,7 @@ class FakeDecode:
 
 
 async def collect(gen):
-    return [o for outs in gen for o in outs] if not hasattr(gen, "__anext__") else [o async for outs in gen for o in outs]
+    return [o async for outs in gen for o in outs]
 
 
 @pytest.fixture
