@@ -92,6 +92,8 @@ def build_app(cfg: ClusterConfig):
     gateway = Gateway.options(
         ray_actor_options={"num_cpus": cfg.gateway.num_cpus, "runtime_env": {"env_vars": gateway_env}},
         max_ongoing_requests=cfg.gateway.max_pending_requests * 2,
+        graceful_shutdown_wait_loop_s=0.5,
+        graceful_shutdown_timeout_s=cfg.gateway.drain_timeout_s,
     )
     gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump(), "telemetry": _telemetry(cfg)}
     if cfg.mode == "aggregated":

@@ -32,6 +32,8 @@ class GatewayConfig(BaseModel):
     # Header fields and their total bytes per request (431 beyond).
     max_headers: int = Field(100, ge=8)
     max_header_bytes: int = Field(32 << 10, ge=1024)
+    # A gateway replica being stopped finishes its streams for at most this long.
+    drain_timeout_s: float = Field(60.0, ge=0)
     # A request still running after this long ends with a 504 (its KV and leases freed).
     request_timeout_s: float | None = Field(600.0, gt=0)
     # Origins a browser may call the API from; empty = CORS off (no CORS headers at all).

@@ -48,7 +48,8 @@ MAX_BODY_BYTES = 8192
 
 # In deploy order; tests of one config run together.
 CLUSTERS: dict[str, dict] = {
-    "nixl": {},
+    # No migration or prefill retry: a killed replica's request fails (test_failures.py).
+    "nixl": {"gateway.max_migrations": 0, "gateway.prefill_retries": 0},
     "torch": {"transfer.backend": "torch"},
     "aggregated": {"mode": "aggregated"},
     # Short leases (TTL path) and a decode pool too small for long prompts (reject path).

@@ -1,5 +1,7 @@
 """Failure paths on a real cluster: client disconnects, many concurrent streams, and
-replicas killed mid-request. Nothing hangs and no KV block leaks."""
+replicas killed mid-request past the gateway's limits (this cluster allows no
+migration and no prefill retry: the client gets a clear error; surviving a lost
+replica is tests/integration/test_replica_loss.py). Nothing hangs and no KV block leaks."""
 
 from __future__ import annotations
 
