@@ -191,8 +191,10 @@ def test_metrics_reach_the_ray_metrics_agent_with_pool_and_replica_labels(traced
         raise AssertionError(f"deltas after {n} requests: {got}") from None
 
     # Every family a healthy run records is there, with pool and replica labels.
-    # (Preemptions, LMCache tier hits and transfer failures appear once they happen.)
-    quiet = {metrics.PREEMPTIONS.name, metrics.TIER_HIT_TOKENS.name, metrics.TRANSFER_FAILURES.name}
+    # (Preemptions, LMCache tier hits, transfer failures, migrations and prefill retries
+    # appear once they happen: Ray exports no zero counter.)
+    quiet = {metrics.PREEMPTIONS.name, metrics.TIER_HIT_TOKENS.name, metrics.TRANSFER_FAILURES.name,
+             metrics.MIGRATIONS.name, metrics.PREFILL_RETRIES.name}
     for family in metrics.FAMILIES:
         if family.name in quiet:
             continue
