@@ -7,7 +7,7 @@ unlike it, it prefills every prompt itself (that is its job, not a fallback).
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 from engine.async_engine import start_engine
@@ -37,27 +37,17 @@ class AggregatedServer:
             "duet.request_id": request_id, "duet.replica": self.replica_id,
             "gen_ai.usage.input_tokens": len(prompt_token_ids),
         })
-        tokens = 0
-        error: BaseException | None = None
         eng = self.aengine.engine
         try:
             stream = await self.aengine.add(
                 request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id)
             )
-            async for outs in stream:
-                tokens += sum(len(o.new_token_ids) for o in outs)
-                if outs[-1].finished:
-                    self.telemetry.engine_request(span, outs[-1].metrics)
-                yield outs
-        except (asyncio.CancelledError, GeneratorExit):
-            tracing.set_attributes(span, {"duet.cancelled": True})  # the client left: not an error
-            raise
         except BaseException as e:
-            error = e
+            tracing.end_span(span, e)
             raise
-        finally:
-            tracing.set_attributes(span, {"gen_ai.usage.output_tokens": tokens})
-            tracing.end_span(span, error)
+        async with contextlib.aclosing(self.telemetry.traced(span, stream)) as batches:
+            async for outs in batches:
+                yield outs
 
     async def stats(self) -> dict:
         return {**self.aengine.stats, "replica_id": self.replica_id}

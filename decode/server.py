@@ -12,6 +12,7 @@ either way it is counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -156,25 +157,9 @@ class DecodeServer:
             "duet.replica": self.replica_id,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
         })
-        started = time.monotonic()
-        tokens = 0
-        error: BaseException | None = None
-        try:
-            async for outs in self._generate(req, span):
-                tokens += sum(len(o.new_token_ids) for o in outs)
-                if outs[-1].finished:
-                    self.telemetry.engine_request(span, outs[-1].metrics)
+        async with contextlib.aclosing(self.telemetry.traced(span, self._generate(req, span))) as batches:
+            async for outs in batches:
                 yield outs
-        except (asyncio.CancelledError, GeneratorExit):
-            tracing.set_attributes(span, {"duet.cancelled": True})  # the client left: not an error
-            raise
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            tracing.set_attributes(span, {"gen_ai.usage.output_tokens": tokens,
-                                          "duet.duration_ms": round((time.monotonic() - started) * 1e3, 3)})
-            tracing.end_span(span, error)
 
     async def _generate(self, req: DecodeRequest, span: Span) -> AsyncIterator[list[RequestOutput]]:
         eng = self.aengine.engine
@@ -201,8 +186,9 @@ class DecodeServer:
                 raise
 
         stream = await self.aengine.add(req.request_id, start)
-        async for outs in stream:
-            yield outs
+        async with contextlib.aclosing(stream) as outputs:  # closed with us: aborts the request now
+            async for outs in outputs:
+                yield outs
 
     def _discard_import(self, importing: asyncio.Future) -> None:
         """Free the blocks of an import nobody will decode (its lease is already ended)."""

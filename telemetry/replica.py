@@ -3,7 +3,10 @@ pass through its engine (queue and compute, as spans and the queue-wait histogra
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Protocol
 
 from opentelemetry.trace import Span
@@ -56,6 +59,32 @@ class ReplicaTelemetry:
         for source, n in m.cached_tokens_by_source.items():
             attrs[f"duet.cached_tokens.{source}"] = n
         tracing.set_attributes(span, attrs)
+
+    async def traced(self, span: Span, batches: AsyncIterator[list]) -> AsyncIterator[list]:
+        """A replica's stream of output batches, passed through: counts the tokens on
+        `span`, reports the final output's engine metrics, and ends `span` however the
+        stream ends (a client that leaves is `duet.cancelled`, not an error). Closing
+        this closes `batches` at once (its cleanup aborts the request in the engine)."""
+        started = time.monotonic()
+        tokens = 0
+        error: BaseException | None = None
+        try:
+            async with contextlib.aclosing(batches) as it:
+                async for outs in it:
+                    tokens += sum(len(o.new_token_ids) for o in outs)
+                    if outs[-1].finished:
+                        self.engine_request(span, outs[-1].metrics)
+                    yield outs
+        except (asyncio.CancelledError, GeneratorExit):
+            tracing.set_attributes(span, {"duet.cancelled": True})
+            raise
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            tracing.set_attributes(span, {"gen_ai.usage.output_tokens": tokens,
+                                          "duet.duration_ms": round((time.monotonic() - started) * 1e3, 3)})
+            tracing.end_span(span, error)
 
     def close(self) -> None:
         self.reporter.close()
