@@ -181,7 +181,9 @@ class PrefillServer:
         if left:
             log.warning("prefill replica stopping with %d leases still active", left)
         self._closed = True
-        for close in (self.telemetry.close, self.exporter.close, self.exporter.backend.close, self.aengine.shutdown, self.events.close):
+        steps = (self.telemetry.close, self.exporter.close, self.exporter.backend.close, self.aengine.shutdown,
+                 self.events.close)
+        for close in steps:
             try:
                 close()
             except Exception:
