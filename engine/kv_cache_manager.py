@@ -119,7 +119,9 @@ class KVCacheManager:
         req.num_computed_tokens = end
         # An external cache may say where the tokens of its last load came from
         # (prefill/kv_tier: LMCache's cpu / disk / redis); else they count as "external".
-        sources = getattr(self.external, "last_load_sources", None) or {"external": end - match.external_start}
+        # Nothing loaded (the load failed or raised): whatever it says is an earlier load's.
+        loaded = end - match.external_start
+        sources = (getattr(self.external, "last_load_sources", None) or {"external": loaded}) if loaded else {}
         for source, n in sources.items():
             if n > 0:
                 req.cached_tokens_by_source[source] = req.cached_tokens_by_source.get(source, 0) + n

@@ -182,3 +182,21 @@ def test_a_request_reports_its_cached_tokens_by_source(make_engine, tier_cls, so
     assert m.cached_tokens_by_source == {"pool": 32, source: 64}
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert m.queue_s >= 0 and m.num_preemptions == 0
+
+
+def test_a_failed_load_attributes_no_tokens_to_an_earlier_loads_sources(make_engine):
+    shared = prompt(64, seed=4)
+    chunks: dict = {}
+    a = make_engine()
+    a.attach_external_kv(FakeTier(a.kv_cache.data, chunks, 16))
+    run(a, shared)
+    b = make_engine()
+    class Raising(SourcedTier):
+        def load(self, *args):
+            raise OSError("tier read failed")
+
+    tier_b = Raising(b.kv_cache.data, chunks, 16)
+    tier_b.last_load_sources = {"cpu": 64}  # left over from an earlier load
+    b.attach_external_kv(tier_b)
+    final = list(b.stream(shared, GREEDY))[-1]
+    assert final.metrics.cached_tokens_by_source == {}
