@@ -53,11 +53,9 @@ _REPLICA_GONE = (RayActorError, ActorUnavailableError, EngineDead)
 
 @dataclass
 class Timing:
-    """When things happened for one request (monotonic seconds), and what it survived."""
+    """When one request started (monotonic seconds), and what it survived."""
 
     start: float = field(default_factory=time.monotonic)
-    prefill_done: float | None = None
-    first_token: float | None = None
     migrations: int = 0
     prefill_retries: int = 0
 
@@ -94,7 +92,6 @@ async def disaggregated(
             return
         context = prompt_ids + generated
         result = await _prefill(prefill_handle, sub_id, context, remaining, session_id, trace, timing, resilience)
-        timing.prefill_done = timing.prefill_done or time.monotonic()
         first = view.adapt(_first_output(result), base)
         generated.append(result.first_token)
         if result.kv_handle is None:
