@@ -12,13 +12,17 @@ dies mid-stream: the request migrates (`gateway.max_migrations`): prefill comput
 prompt + the tokens already streamed (its prefix cache and the KV tier hold most of
 it), samples the next token, and another decode replica continues; the client sees
 one unbroken stream. Greedy output is the same as without the failure; seeded
-sampling and penalties restart from the migrated context (documented limits).
+sampling and penalties restart from the migrated context (documented limits). A decode
+replica that cannot import the KV because its source is gone (the prefill replica died
+after answering, or the lease ran out) has decoded nothing: the request is prefilled
+again elsewhere, within the same `gateway.prefill_retries`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -49,6 +53,8 @@ class UpstreamError(RuntimeError):
 _REJECT_TIMEOUT_S = 1.0
 # Errors that mean the replica (or its engine) is gone, not that the request is bad.
 _REPLICA_GONE = (RayActorError, ActorUnavailableError, EngineDead)
+# Import failures that mean the prompt's KV is gone, not that decode cannot take it.
+_SOURCE_LOST = (RejectReason.TRANSFER_FAILED, RejectReason.LEASE_EXPIRED)
 
 
 @dataclass
@@ -83,8 +89,9 @@ async def disaggregated(
     `trace` the W3C context both pools continue (telemetry/tracing.py)."""
     generated: list[int] = []  # every token streamed so far, across migrations
     view = _ClientView(request_id, len(prompt_ids))
-    while True:
-        sub_id = request_id if timing.migrations == 0 else f"{request_id}.m{timing.migrations}"
+    for hop in itertools.count():
+        # Each pass is a new request for the pools (a replica may still know the last id).
+        sub_id = request_id if hop == 0 else f"{request_id}.m{hop}"
         base = len(generated)
         remaining = _remaining(sp, base)
         if remaining is None:  # the lost replica had produced every token; only the end was lost
@@ -98,7 +105,8 @@ async def disaggregated(
             yield [first]
             return
         ended = False  # decode streamed the request to its end
-        lost = False  # the decode replica was lost: the request moves on
+        # Why the lease is rejected if the request leaves this pass early; None: decode did.
+        reject: RejectReason | None = RejectReason.CLIENT_DISCONNECTED
         try:
             yield [first]
             req = DecodeRequest(sub_id, tuple(context), result.first_token, remaining, result.kv_handle, trace)
@@ -115,22 +123,28 @@ async def disaggregated(
                 raise
             except _REPLICA_GONE as e:
                 if timing.migrations >= resilience.max_migrations:
-                    raise UpstreamError(f"decode failed: {_short(e)}") from e
+                    limit = f" (migration limit {resilience.max_migrations} reached)" if resilience.max_migrations else ""
+                    raise UpstreamError(f"decode failed{limit}: {_short(e)}") from e
                 timing.migrations += 1
-                lost = True
+                reject = RejectReason.DECODE_LOST
                 log.warning("request %s: decode replica lost after %d tokens (%s); migrating (%d of %d)",
                             request_id, len(generated), _short(e), timing.migrations, resilience.max_migrations)
+            except ImportFailed as e:
+                if e.reason not in _SOURCE_LOST or timing.prefill_retries >= resilience.prefill_retries:
+                    raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
+                timing.prefill_retries += 1
+                reject = None  # decode rejected it; its replica may be gone
+                log.warning("request %s: KV import failed (%s); prefilling again", request_id, _short(e))
             except Exception as e:
                 raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
         finally:
-            if not ended:
+            if not ended and reject is not None:
                 # Nobody will use this lease now: free the prefill blocks at once rather than
                 # at expiry. Decode may have ended it already (then this is a no-op), or may
                 # still be pulling: its copy is discarded with the cancelled call, never cached.
                 # Not awaited: a cancelled request's task is cancelled again at every await.
-                reason = RejectReason.DECODE_LOST if lost else RejectReason.CLIENT_DISCONNECTED
                 asyncio.get_running_loop().run_in_executor(
-                    None, reject_lease, result.kv_handle, reason, _REJECT_TIMEOUT_S
+                    None, reject_lease, result.kv_handle, reject, _REJECT_TIMEOUT_S
                 )
 
 

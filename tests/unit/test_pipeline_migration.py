@@ -14,7 +14,7 @@ from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kvtransfer.backends.base import PeerInfo
 from kvtransfer.layout import LayoutFingerprint
-from kvtransfer.messages import KVHandle, PrefillResult
+from kvtransfer.messages import ImportFailed, KVHandle, PrefillResult, RejectReason
 from routing.openai import pipeline
 
 pytestmark = pytest.mark.unit
@@ -69,8 +69,9 @@ class FakeDecode:
     """`options(stream=True).generate.remote(req)`: continues after the first token;
     the first `die_after` streams break after that many tokens (a lost replica)."""
 
-    def __init__(self, engine, die_after: list[int]):
+    def __init__(self, engine, die_after: list[int], import_fails: list[str] = ()):
         self.engine, self.die_after, self.requests = engine, list(die_after), []
+        self.import_fails = list(import_fails)  # the first imports fail with these reasons
         self.generate = _Remote(self._generate)
 
     def options(self, stream: bool):
@@ -79,9 +80,12 @@ class FakeDecode:
     def _generate(self, req):
         self.requests.append(req)
         limit = self.die_after.pop(0) if self.die_after else None
-        return _Stream(self._run(req, limit))
+        fail = self.import_fails.pop(0) if self.import_fails else None
+        return _Stream(self._run(req, limit, fail))
 
-    async def _run(self, req, limit):
+    async def _run(self, req, limit, import_fail=None):
+        if import_fail is not None:
+            raise ImportFailed(import_fail, "the prefill replica is gone")
         e = self.engine
         ids = [*req.prompt_token_ids, req.first_token]
         e.add_request(ids, SamplingParams(**{**vars(req.sampling), "max_tokens": req.sampling.max_tokens - 1}),
@@ -133,7 +137,7 @@ async def test_a_lost_decode_replica_migrates_the_request(make_engine, prompt, r
 
 async def test_past_the_migration_limit_the_request_fails(make_engine, prompt):
     prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[3, 3])
-    with pytest.raises(pipeline.UpstreamError, match="decode failed"):
+    with pytest.raises(pipeline.UpstreamError, match=r"decode failed \(migration limit 1 reached\)"):
         await collect(pipeline.disaggregated(
             prefill, decode, "req", prompt, GREEDY, pipeline.Timing(), resilience=pipeline.Resilience(1)))
     with pytest.raises(pipeline.UpstreamError):
@@ -152,6 +156,32 @@ async def test_a_lost_prefill_replica_is_retried(make_engine, prompt, reference)
         await collect(pipeline.disaggregated(
             FakePrefill(make_engine(), die_times=2), decode, "req2", prompt, GREEDY, pipeline.Timing(),
             resilience=pipeline.Resilience(prefill_retries=1)))
+
+
+async def test_kv_lost_with_its_prefill_replica_is_prefilled_again(make_engine, prompt, reference):
+    # The prefill replica answered, then died before decode pulled the KV: nothing was
+    # decoded, so prefill runs again (prompt + the first token) and decode goes on.
+    prefill = FakePrefill(make_engine())
+    decode = FakeDecode(make_engine(), die_after=[], import_fails=[RejectReason.TRANSFER_FAILED])
+    timing = pipeline.Timing()
+    outs = await collect(pipeline.disaggregated(
+        prefill, decode, "req", prompt, GREEDY, timing, resilience=pipeline.Resilience(prefill_retries=1)))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert (timing.prefill_retries, timing.migrations) == (1, 0)
+    assert prefill.calls[1] == ("req.m1", prompt + reference[:1], GREEDY.max_tokens - 1)
+    assert outs[-1].num_output_tokens == GREEDY.max_tokens and outs[-1].request_id == "req"
+
+
+@pytest.mark.parametrize("reason, retries", [(RejectReason.TRANSFER_FAILED, 0), (RejectReason.NO_FREE_BLOCKS, 1),
+                                             (RejectReason.LAYOUT_MISMATCH, 1)])
+async def test_import_failures_that_are_not_retried_fail_the_request(make_engine, prompt, reason, retries):
+    # Out of retries, or a failure another prefill would not cure (capacity, config).
+    decode = FakeDecode(make_engine(), die_after=[], import_fails=[reason, reason])
+    with pytest.raises(pipeline.UpstreamError, match=reason) as err:
+        await collect(pipeline.disaggregated(FakePrefill(make_engine()), decode, "req", prompt, GREEDY,
+                                             pipeline.Timing(), resilience=pipeline.Resilience(1, retries)))
+    assert err.value.capacity == (reason == RejectReason.NO_FREE_BLOCKS)
+    assert len(decode.requests) == 1
 
 
 def test_nothing_left_to_generate_after_a_loss_ends_the_request():
