@@ -123,7 +123,8 @@ async def disaggregated(
                 raise
             except _REPLICA_GONE as e:
                 if timing.migrations >= resilience.max_migrations:
-                    limit = f" (migration limit {resilience.max_migrations} reached)" if resilience.max_migrations else ""
+                    n = resilience.max_migrations
+                    limit = f" (migration limit {n} reached)" if n else ""
                     raise UpstreamError(f"decode failed{limit}: {_short(e)}") from e
                 timing.migrations += 1
                 reject = RejectReason.DECODE_LOST
