@@ -27,6 +27,7 @@ from kvtransfer.replica import replica_id
 from routing.openai import pipeline
 from routing.openai.access import APIKeys, KeyLimiter, check_headers, read_body
 from routing.openai.metrics import GatewayMetrics
+from routing.openai.openapi import publish_request_schemas, request_body
 from routing.openai.errors import APIError, install_error_handlers, internal_error, model_not_found, overloaded
 from routing.openai.errors import invalid_request, not_ready
 from routing.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
@@ -46,6 +47,7 @@ def _upstream_error(e: pipeline.UpstreamError) -> APIError:
 
 app = FastAPI(title="duet", description="OpenAI-compatible gateway of a disaggregated LLM cluster")
 install_error_handlers(app)
+publish_request_schemas(app, (ChatCompletionRequest, CompletionRequest))
 
 
 # Module helpers the routes call must be defined above the class: `serve.ingress`
@@ -174,7 +176,7 @@ class Gateway:
         return ModelList(data=[card]).model_dump()
 
     # ------------------------------------------------------------ generation
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat(self, request: Request):
         key, req = await self._accept(request, ChatCompletionRequest)
         try:
@@ -199,7 +201,7 @@ class Gateway:
         )
         return resp.model_dump(exclude_none=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(self, request: Request):
         key, req = await self._accept(request, CompletionRequest)
         if isinstance(req.prompt, str):
