@@ -22,6 +22,9 @@ class GatewayConfig(BaseModel):
     # Per key: requests in flight, and tokens (prompt + max_tokens) per minute. None: no limit.
     max_in_flight_per_key: int | None = Field(None, ge=1)
     tokens_per_minute_per_key: int | None = Field(None, ge=1)
+    # Most completion tokens one request may ask for (400 above it; the default when a
+    # request leaves max_tokens unset). None: up to the model's context.
+    max_tokens: int | None = Field(None, ge=1)
     # A larger request body is refused with 413 before it is parsed.
     max_body_bytes: int = Field(4 << 20, ge=1024)
     # A decode replica that dies mid-stream: continue the request elsewhere (re-prefill

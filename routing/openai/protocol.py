@@ -135,16 +135,21 @@ def resolve_max_tokens(
     num_prompt_tokens: int | None,
     max_model_len: int | None,
     param: str,
+    limit: int | None = None,
+    limit_param: str = "max_tokens",
 ) -> int | None:
-    """`requested`, or the rest of the context when it is None; a 400
-    context_length_exceeded when prompt + completion does not fit."""
+    """`requested`, or the rest of the context (at most `limit`) when it is None; a 400
+    when it is above the server's `limit`, or context_length_exceeded when prompt +
+    completion does not fit."""
+    if limit is not None and requested is not None and requested > limit:
+        raise invalid_request(f"{limit_param}={requested} is above this server's limit of {limit}", limit_param)
     if num_prompt_tokens is None or max_model_len is None:
-        return requested
+        return requested if requested is not None else limit
     remaining = max_model_len - num_prompt_tokens
     if remaining <= 0:
         raise context_length_exceeded(num_prompt_tokens, None, max_model_len, param)
     if requested is None:
-        return remaining
+        return remaining if limit is None else min(remaining, limit)
     if requested > remaining:
         raise context_length_exceeded(num_prompt_tokens, requested, max_model_len, param)
     return requested
@@ -162,15 +167,17 @@ class ChatCompletionRequest(_SamplingRequest):
         return [m.template_dict() for m in self.messages]
 
     def to_sampling_params(
-        self, num_prompt_tokens: int | None = None, max_model_len: int | None = None
+        self, num_prompt_tokens: int | None = None, max_model_len: int | None = None, limit: int | None = None
     ) -> SamplingParams:
         """Engine SamplingParams. Without max_tokens/max_completion_tokens the completion
-        may use the rest of the context, so pass num_prompt_tokens and max_model_len
-        (given both, an over-long request is a 400 context_length_exceeded)."""
+        may use the rest of the context (at most the server's `limit`), so pass
+        num_prompt_tokens and max_model_len (given both, an over-long request is a 400
+        context_length_exceeded)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        max_tokens = resolve_max_tokens(requested, num_prompt_tokens, max_model_len, "messages")
+        max_tokens = resolve_max_tokens(requested, num_prompt_tokens, max_model_len, "messages", limit, field)
         if max_tokens is None:
             raise ValueError("chat request without max_tokens: pass num_prompt_tokens and max_model_len")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -225,12 +232,15 @@ class CompletionRequest(_SamplingRequest):
         return v
 
     def to_sampling_params(
-        self, num_prompt_tokens: int | None = None, max_model_len: int | None = None
+        self, num_prompt_tokens: int | None = None, max_model_len: int | None = None, limit: int | None = None
     ) -> SamplingParams:
-        """Engine SamplingParams; max_tokens defaults to 16 as in OpenAI. Given
-        num_prompt_tokens and max_model_len, an over-long request is a 400."""
-        requested = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        max_tokens = resolve_max_tokens(requested, num_prompt_tokens, max_model_len, "prompt")
+        """Engine SamplingParams; max_tokens defaults to 16 as in OpenAI (or the server's
+        `limit` when lower). Given num_prompt_tokens and max_model_len, an over-long
+        request is a 400."""
+        requested = self.max_tokens
+        if requested is None:
+            requested = COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else min(limit, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        max_tokens = resolve_max_tokens(requested, num_prompt_tokens, max_model_len, "prompt", limit)
         return self._sampling(max_tokens, self.logprobs)
 
 

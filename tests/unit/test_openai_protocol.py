@@ -263,6 +263,20 @@ def test_chat_defaults_and_context():
     assert api_error(bad.to_sampling_params).param == "top_logprobs"
 
 
+def test_the_servers_max_tokens_limit():
+    # Unset: the rest of the context, at most the limit; above the limit: a 400 naming the field.
+    chat = ChatCompletionRequest.model_validate({"messages": MSGS})
+    assert chat.to_sampling_params(num_prompt_tokens=30, max_model_len=128, limit=8).max_tokens == 8
+    assert chat.to_sampling_params(num_prompt_tokens=124, max_model_len=128, limit=8).max_tokens == 4
+    over = ChatCompletionRequest.model_validate({"messages": MSGS, "max_completion_tokens": 9})
+    err = api_error(lambda: over.to_sampling_params(num_prompt_tokens=30, max_model_len=128, limit=8))
+    assert (err.status, err.param) == (400, "max_completion_tokens") and "limit of 8" in err.message
+    assert CompletionRequest.model_validate({"prompt": "x"}).to_sampling_params(limit=8).max_tokens == 8
+    err = api_error(lambda: CompletionRequest.model_validate({"prompt": "x", "max_tokens": 9}).to_sampling_params(
+        num_prompt_tokens=1, max_model_len=128, limit=8))
+    assert err.param == "max_tokens"
+
+
 def test_completion_sampling_params_and_engine_errors():
     req = CompletionRequest.model_validate({"prompt": "x", "logprobs": 2, "stop": ["a", "b"]})
     sp = req.to_sampling_params()
