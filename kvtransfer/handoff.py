@@ -127,6 +127,12 @@ class KVExporter:
         engine thread), so no cancelled await can leave them unleased."""
         return self.leases.grant(request_id, block_ids)
 
+    def withdraw(self, request_id: str) -> bool:
+        """End the lease of a request whose caller left before it got the handle (the
+        engine may have finished and granted it just before): nobody can pull it."""
+        lease = self.leases.lease_for(request_id)
+        return lease is not None and self.leases.reject(lease.lease_id)
+
     def handle_for(self, request_id: str, num_tokens: int) -> KVHandle:
         """The handle of a request whose blocks `grant` pinned."""
         lease = self.leases.lease_for(request_id)

@@ -113,7 +113,11 @@ class PrefillServer:
         try:
             result = await self._prefill(request_id, prompt_token_ids, sampling, span)
         except asyncio.CancelledError:
-            tracing.set_attributes(span, {"duet.cancelled": True})  # the client left: not an error
+            # The engine may have finished and leased the blocks just before the cancel
+            # landed (the abort that ran on the way out then finds nothing to abort):
+            # nobody will receive that lease's handle, so end it now, not at its TTL.
+            withdrawn = self.exporter.withdraw(request_id)
+            tracing.set_attributes(span, {"duet.cancelled": True, "duet.lease_withdrawn": withdrawn})
             tracing.end_span(span)
             raise
         except BaseException as e:

@@ -58,6 +58,14 @@ def test_an_authentic_release_ends_the_lease(exporter):
     assert exporter.stats()["control_accepted"] == 1
 
 
+def test_a_lease_whose_caller_left_is_withdrawn(exporter):
+    # The engine granted it as the prefill call was cancelled: no handle ever left.
+    exporter.grant("r1", [3, 4])
+    assert exporter.withdraw("r1") and exporter.freed == [(3, 4)]
+    assert not exporter.withdraw("r1") and not exporter.withdraw("never-leased")
+    assert len(exporter.leases) == 0
+
+
 def test_reject_is_authenticated_too(exporter):
     h = _live(exporter)
     assert reject_lease(h, RejectReason.CLIENT_DISCONNECTED, timeout_s=5)
