@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.async_engine import start_engine
@@ -45,6 +46,45 @@ class ImportCounters:
     rejected: int = 0
     failed: int = 0
     recomputed: int = 0
+
+
+class HeldBlocks:
+    """Blocks reserved for imports that neither the engine nor the pool owns yet, by
+    request. Whoever ends an import takes them (`take`): the engine when the request
+    starts, or the path that frees them; so however an import ends (failed, cancelled,
+    or finished for a client that left), exactly one owner frees its blocks. Used from
+    the event loop and the engine thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: dict[str, tuple[list[int], float]] = {}  # request id -> (blocks, since)
+
+    def hold(self, request_id: str, blocks: list[int]) -> None:
+        with self._lock:
+            self._blocks[request_id] = (blocks, time.monotonic())
+
+    def take(self, request_id: str) -> list[int] | None:
+        with self._lock:
+            held = self._blocks.pop(request_id, None)
+        return held[0] if held is not None else None
+
+    def take_older_than(self, age_s: float) -> dict[str, list[int]]:
+        """Take every entry held for more than `age_s`."""
+        cutoff = time.monotonic() - age_s
+        with self._lock:
+            old = [rid for rid, (_, since) in self._blocks.items() if since < cutoff]
+            return {rid: self._blocks.pop(rid)[0] for rid in old}
+
+    def stats(self) -> dict:
+        """How many blocks are held, and the requests holding them for longest (an
+        import normally holds its blocks for one pull: seconds at most)."""
+        now = time.monotonic()
+        with self._lock:
+            items = sorted(self._blocks.items(), key=lambda kv: kv[1][1])
+        return {
+            "import_blocks_held": sum(len(b) for _, (b, _) in items),
+            "import_held_oldest": [(rid, round(now - t, 1)) for rid, (_, t) in items[:4]],
+        }
 
 
 def _result(reason: str) -> str:
@@ -84,6 +124,11 @@ class DecodeServer:
         self.backend = make_backend(self.transfer.backend, self.replica_id, eng.model_id)
         self.backend.register(eng.kv_cache.data)
         self.counters = ImportCounters()
+        self.held = HeldBlocks()
+        # The loop keeps only weak references to tasks: an import nobody awaits any
+        # more (its caller left) must not be collected half-way.
+        self._imports: dict[str, asyncio.Task] = {}
+        self.reclaimed_blocks = 0
         self.telemetry = ReplicaTelemetry(telemetry, "decode", self.replica_id, lambda: self.aengine.stats)
         log.info("decode replica %s ready (backend %s)", self.replica_id, self.backend.name)
 
@@ -123,6 +168,7 @@ class DecodeServer:
             if blocks is None:
                 reason, detail = RejectReason.NO_FREE_BLOCKS, "decode replica has no free KV blocks"
             else:
+                self.held.hold(req.request_id, blocks)
                 started = time.monotonic()
                 await asyncio.to_thread(pull_kv, self.backend, h, blocks, timeout_s=timeout)
                 pulled = time.monotonic() - started
@@ -134,9 +180,7 @@ class DecodeServer:
                 return blocks
         except (TransferError, LayoutMismatch) as e:
             reason, detail = _reason(e), str(e)
-            if blocks is not None:
-                ids = blocks
-                await self.aengine.call(lambda: eng.release_blocks(ids))
+            await self._free_held(req.request_id)
         # Every failure path frees the prefill side at once.
         self.telemetry.metrics.inc(metrics.TRANSFER_FAILURES, reason=reason.value)
         tracing.set_attributes(span, {"duet.transfer.result": _result(reason), "duet.transfer.error": detail[:300]})
@@ -168,21 +212,24 @@ class DecodeServer:
         # its own and its blocks are freed then.
         started = time.monotonic()
         importing = asyncio.ensure_future(self._import(req, span))
+        self._imports[req.request_id] = importing
+        importing.add_done_callback(lambda _: self._imports.pop(req.request_id, None))
         try:
-            blocks = await asyncio.shield(importing)
-        except BaseException:  # cancelled, or the generator closed; a failed import cleans up itself
-            importing.add_done_callback(self._discard_import)
+            await asyncio.shield(importing)  # its blocks (None: recompute) wait in self.held
+        except BaseException:  # cancelled, the generator closed, or the import failed
+            importing.add_done_callback(self._discard_import(req.request_id))
             raise
         tracing.set_attributes(span, {"duet.import_wait_ms": round((time.monotonic() - started) * 1e3, 3)})
 
         def start():
+            held = self.held.take(req.request_id)
             try:
                 eng.add_imported_request(
-                    req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, blocks
+                    req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, held
                 )
             except Exception:
-                if blocks is not None:
-                    eng.release_blocks(blocks)
+                if held is not None:
+                    eng.release_blocks(held)
                 raise
 
         stream = await self.aengine.add(req.request_id, start)
@@ -190,24 +237,24 @@ class DecodeServer:
             async for outs in outputs:
                 yield outs
 
-    def _discard_import(self, importing: asyncio.Future) -> None:
-        """Free the blocks of an import nobody will decode (its lease is already ended)."""
-        if importing.cancelled() or importing.exception() is not None:
-            return  # a failed import freed its blocks and rejected its lease itself
-        blocks = importing.result()
+    def _discard_import(self, request_id: str) -> Callable[[asyncio.Future], None]:
+        """A done-callback for an import nobody will decode: frees the blocks it still
+        holds, whether it succeeded, failed or was cancelled (its lease is ended)."""
+        def discard(importing: asyncio.Future) -> None:
+            if not importing.cancelled() and importing.exception() is not None \
+                    and not isinstance(importing.exception(), ImportFailed):
+                log.warning("import of %s failed: %r", request_id, importing.exception())
+            blocks = self.held.take(request_id)
+            if blocks is not None:
+                eng = self.aengine.engine
+                self.aengine.submit(lambda: eng.release_blocks(blocks))
+        return discard
+
+    async def _free_held(self, request_id: str) -> None:
+        blocks = self.held.take(request_id)
         if blocks is not None:
             eng = self.aengine.engine
-            self.aengine.submit(lambda: eng.release_blocks(blocks))
-
-    def record_routing_stats(self) -> dict:
-        """Read by Serve every `router.stats_period_s` for the decode router."""
-        s = self.aengine.stats
-        return {
-            "num_running": s["num_running"] + s["num_waiting"],
-            "kv_blocks_free": s["kv_blocks_free"],
-            "kv_blocks_total": s["kv_blocks_total"],
-            "request_ids": s["request_ids"],
-        }
+            await self.aengine.call(lambda: eng.release_blocks(blocks))
 
     async def stats(self) -> dict:
         m = self.backend.metrics.snapshot()  # the backend counts every pull, failures too
@@ -223,7 +270,27 @@ class DecodeServer:
             "import_rejects": self.counters.rejected,
             "import_failures": self.counters.failed,
             "import_recomputes": self.counters.recomputed,
+            **self.held.stats(),
+            "import_blocks_reclaimed": self.reclaimed_blocks,
         }
 
+    def _reclaim_stale_imports(self) -> None:
+        """Free blocks an import has held past any lease it could still be pulling
+        for (TTL + one pull): a safety net like the lease TTL on the prefill side,
+        logged and counted because it means an import path lost track of them."""
+        bound = self.transfer.lease_ttl_s + self.transfer.timeout_s + 5.0
+        stale = self.held.take_older_than(bound)
+        if not stale:
+            return
+        eng = self.aengine.engine
+        for request_id, blocks in stale.items():
+            task = self._imports.get(request_id)
+            where = task.get_stack(limit=8) if task is not None else "no import task"
+            log.warning("import of %s held %d KV blocks for over %.0f s: reclaimed (%r; %s)",
+                        request_id, len(blocks), bound, task, where)
+            self.aengine.submit(lambda b=blocks: eng.release_blocks(b))
+            self.reclaimed_blocks += len(blocks)
+
     async def check_health(self) -> None:
+        self._reclaim_stale_imports()  # Serve calls this every few seconds
         self.aengine.check_health()
