@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from duet_cluster import APP_NAME, CLUSTERS, METRICS_PORT, PORT, Duet, cluster_config, wait_for
+from duet_cluster import APP_NAME, CHAOS_REDIS_PORT, CLUSTERS, METRICS_PORT, PORT, Duet, cluster_config, wait_for
 
 
 def pytest_configure(config):
@@ -91,7 +91,24 @@ def deployer(ray_cluster) -> _Deployer:
     return _Deployer()
 
 
+@pytest.fixture(scope="session")
+def chaos_redis(tmp_path_factory):
+    """The "chaos" cluster's private Redis (its prefix index and KV tier); the soak
+    restarts it."""
+    from conftest_kv import RedisServer
+
+    redis = RedisServer(CHAOS_REDIS_PORT, tmp_path_factory.mktemp("chaos-redis"))
+    if redis.run("start").returncode != 0:
+        pytest.skip("Redis could not be started with scripts/redis.sh")
+    redis.flush()
+    yield redis
+    redis.run("stop")
+
+
 @pytest.fixture
 def duet(request, deployer) -> Duet:
     """The duet app for this test's ``cluster`` marker (default: nixl, disaggregated)."""
-    return deployer(_cluster_name(request.node) or "nixl")
+    name = _cluster_name(request.node) or "nixl"
+    if name == "chaos":
+        request.getfixturevalue("chaos_redis")  # up before the app that uses it
+    return deployer(name)

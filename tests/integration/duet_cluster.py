@@ -46,6 +46,11 @@ REQUEST_TIMEOUT_S = 10.0
 CORS_ORIGIN = "https://app.example"
 MAX_BODY_BYTES = 8192
 
+# The "chaos" cluster's private Redis (prefix index and KV tier), which its soak restarts.
+CHAOS_REDIS_PORT = 6394
+CHAOS_REQUEST_TIMEOUT_S = 90.0
+CHAOS_MAX_TOKENS = 24
+
 # In deploy order; tests of one config run together.
 CLUSTERS: dict[str, dict] = {
     # No migration or prefill retry: a killed replica's request fails (test_failures.py).
@@ -74,6 +79,21 @@ CLUSTERS: dict[str, dict] = {
     },
     # Two replicas per pool, so a lost one can be survived (tests kill replicas: last).
     "resilient": {"prefill.replicas": 2, "decode.replicas": 2},
+    # The soak's and the fuzzer's: two replicas per pool, the Redis prefix index, CPU and
+    # Redis KV tiers (16-token chunks: the prompts are short), a 90 s request deadline,
+    # 128-token contexts and at most 24 completion tokens (so fuzzed requests stay short).
+    "chaos": {
+        "engine.max_model_len": 128,
+        "prefill.replicas": 2,
+        "decode.replicas": 2,
+        "router.prefix_index": "redis",
+        "router.redis_url": f"redis://127.0.0.1:{CHAOS_REDIS_PORT}/0",
+        "cache.cpu_bytes": 64 << 20,
+        "cache.redis_url": f"redis://127.0.0.1:{CHAOS_REDIS_PORT}/1",
+        "cache.chunk_size": BLOCK_SIZE,
+        "gateway.request_timeout_s": CHAOS_REQUEST_TIMEOUT_S,
+        "gateway.max_tokens": CHAOS_MAX_TOKENS,
+    },
 }
 
 
@@ -146,3 +166,65 @@ def wait_idle(duet: Duet, timeout: float = 20.0) -> None:
         keys = ("num_running", "num_waiting", "kv_blocks_free", "kv_blocks_total", "leases_active")
         detail = {p: {k: s.get(k) for k in keys} for p, s in seen.items()}
         raise AssertionError(f"{e}; last stats: {detail}") from None
+
+
+def kill_replica(replica_id: str) -> None:
+    """Kill one Serve replica's actor (`decode#abc` → SERVE_REPLICA::duet#decode#abc); Serve replaces it."""
+    import ray
+
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{replica_id}", namespace="serve"), no_restart=True)
+
+
+def live_replicas(pool: str) -> set[str]:
+    """Replica ids (`decode#abc`) of `pool` whose actors are alive."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP_NAME}#"
+    return {a["name"].removeprefix(prefix) for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"{prefix}{pool}#")}
+
+
+def wait_replicas(pool: str, n: int, timeout: float = 240) -> None:
+    """`pool` healthy with `n` running replicas."""
+    from ray import serve
+
+    def healthy() -> bool:
+        d = serve.status().applications[APP_NAME].deployments[pool]
+        return d.status == "HEALTHY" and d.replica_states.get("RUNNING", 0) == n
+
+    wait_for(healthy, timeout, interval=1, what=f"{n} healthy {pool} replicas")
+
+
+def gateway_counter(duet: Duet, name: str) -> float:
+    """The sum of a series' samples on the gateway's /metrics (every label set)."""
+    import httpx
+
+    text = httpx.get(f"{duet.url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def wait_baseline(duet: Duet, pool: str, timeout: float = 120) -> dict[str, dict]:
+    """Every live replica of `pool` seen idle: nothing running or waiting, all KV blocks
+    free, no lease. Stats calls land on a random replica; poll until each has answered."""
+    keys = ("num_running", "num_waiting", "kv_blocks_free", "kv_blocks_total", "leases_active",
+            "import_blocks_held", "import_blocks_reclaimed")
+    idle: dict[str, dict] = {}
+    last: dict[str, dict] = {}
+
+    def all_idle() -> bool:
+        s = duet.stats(pool)
+        mine = last[s["replica_id"]] = {k: s.get(k, 0) for k in keys}
+        if mine["num_running"] == mine["num_waiting"] == mine["leases_active"] == mine["import_blocks_held"] == 0 \
+                and mine["kv_blocks_free"] == mine["kv_blocks_total"]:
+            idle[s["replica_id"]] = mine
+        else:
+            idle.pop(s["replica_id"], None)
+            last[s["replica_id"]] = s
+        return live_replicas(pool) <= idle.keys()
+
+    try:
+        wait_for(all_idle, timeout, interval=0.1, what=f"every {pool} replica back at baseline")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; live {sorted(live_replicas(pool))}, last stats {last}") from None
+    return idle

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from duet_cluster import APP_NAME, wait_for, wait_idle
+from duet_cluster import APP_NAME, gateway_counter, kill_replica, wait_for, wait_idle, wait_replicas
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster("resilient")]
 
@@ -19,23 +19,10 @@ CHAT = {"messages": [{"role": "user", "content": "Tell me a long story about a l
         "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-def _kill(replica_id: str) -> None:
-    """Kill one Serve replica's actor (`decode#abc` → SERVE_REPLICA::duet#decode#abc); Serve replaces it."""
-    import ray
-
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{replica_id}", namespace="serve"), no_restart=True)
-
-
 def _serving(duet, pool: str, request_id: str) -> str | None:
     """The replica of `pool` whose engine holds `request_id` (stats calls land on a random one)."""
     s = duet.stats(pool)
     return s["replica_id"] if request_id in s["request_ids"] else None
-
-
-def _counter(duet, name: str) -> float:
-    text = httpx.get(f"{duet.url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
 
 
 def _logged_migrations(request_ids: set[str]) -> list[str]:
@@ -51,16 +38,6 @@ def _logged_migrations(request_ids: set[str]) -> list[str]:
             if "migrating" in line and any(rid in line for rid in request_ids):
                 hits.append(line)
     return hits
-
-
-def _wait_replicas(pool: str, n: int) -> None:
-    from ray import serve
-
-    def healthy() -> bool:
-        d = serve.status().applications[APP_NAME].deployments[pool]
-        return d.status == "HEALTHY" and d.replica_states.get("RUNNING", 0) == n
-
-    wait_for(healthy, 240, interval=1, what=f"{n} healthy {pool} replicas")
 
 
 def _stream(duet, on_chunk=None) -> tuple[str, list[str]]:
@@ -84,39 +61,39 @@ def _stream(duet, on_chunk=None) -> tuple[str, list[str]]:
 
 
 def test_a_decode_replica_killed_mid_stream_does_not_end_the_stream(duet):
-    _wait_replicas("decode", 2)
+    wait_replicas("decode", 2)
     reference, _ = _stream(duet)
-    before = _counter(duet, "duet_migrations_total")
+    before = gateway_counter(duet, "duet_migrations_total")
     killed: list[str] = []
 
     def kill_at_tenth(request_id: str, n: int) -> None:
         if n == 10 and not killed:
             replica = wait_for(lambda: _serving(duet, "decode", request_id), 30, interval=0.01,
                                what=f"the decode replica serving {request_id}")
-            _kill(replica)
+            kill_replica(replica)
             killed.append(replica)
 
     text, events = _stream(duet, kill_at_tenth)
     assert killed, "the stream ended before its 10th chunk"
     assert text == reference
-    assert _counter(duet, "duet_migrations_total") - before == 1
+    assert gateway_counter(duet, "duet_migrations_total") - before == 1
     rid = json.loads(events[0][6:])["id"]
     wait_for(lambda: _logged_migrations({rid}), 30, what="the migration in the gateway's log")
-    _wait_replicas("decode", 2)
+    wait_replicas("decode", 2)
     wait_idle(duet, timeout=60)
 
 
 def test_requests_right_after_a_prefill_replica_dies_are_served(duet):
-    _wait_replicas("prefill", 2)
+    wait_replicas("prefill", 2)
     victim = duet.stats("prefill")["replica_id"]
-    _kill(victim)
+    kill_replica(victim)
     t0 = time.monotonic()
     for i in range(4):
         body = {**CHAT, "stream": False, "max_tokens": 4,
                 "messages": [{"role": "user", "content": f"Say the number {i}."}]}
         r = httpx.post(f"{duet.url}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, (i, time.monotonic() - t0, r.text)
-    _wait_replicas("prefill", 2)
+    wait_replicas("prefill", 2)
     wait_idle(duet, timeout=60)
 
 
@@ -127,7 +104,7 @@ def test_scaling_down_drains_the_replica_it_stops(duet):
     from cluster.config import load_config
     from duet_cluster import BASE, CLUSTERS
 
-    _wait_replicas("decode", 2)
+    wait_replicas("decode", 2)
     reference, _ = _stream(duet)
     texts: dict[int, str] = {}
     ids: dict[int, str] = {}
@@ -151,7 +128,7 @@ def test_scaling_down_drains_the_replica_it_stops(duet):
     # Drained, not lost: no gateway logged a migration of either (the app was redeployed,
     # so the old gateway's counters went with it; its log stays).
     assert not _logged_migrations(set(ids.values()))
-    _wait_replicas("decode", 1)
+    wait_replicas("decode", 1)
     serve.run(build_app(duet.cfg), name=APP_NAME, route_prefix="/", blocking=False)
-    _wait_replicas("decode", 2)
+    wait_replicas("decode", 2)
     wait_idle(duet, timeout=60)
