@@ -232,7 +232,13 @@ class DecodeServer:
                     eng.release_blocks(held)
                 raise
 
-        stream = await self.aengine.add(req.request_id, start)
+        try:
+            stream = await self.aengine.add(req.request_id, start)
+        except BaseException:
+            # Cancelled before the engine ran `start` (it skips a cancelled command): the
+            # blocks are still held here, and nobody else will take them.
+            self._free_held_soon(req.request_id)
+            raise
         async with contextlib.aclosing(stream) as outputs:  # closed with us: aborts the request now
             async for outs in outputs:
                 yield outs
@@ -244,11 +250,14 @@ class DecodeServer:
             if not importing.cancelled() and importing.exception() is not None \
                     and not isinstance(importing.exception(), ImportFailed):
                 log.warning("import of %s failed: %r", request_id, importing.exception())
-            blocks = self.held.take(request_id)
-            if blocks is not None:
-                eng = self.aengine.engine
-                self.aengine.submit(lambda: eng.release_blocks(blocks))
+            self._free_held_soon(request_id)
         return discard
+
+    def _free_held_soon(self, request_id: str) -> None:
+        blocks = self.held.take(request_id)
+        if blocks is not None:
+            eng = self.aengine.engine
+            self.aengine.submit(lambda: eng.release_blocks(blocks))
 
     async def _free_held(self, request_id: str) -> None:
         blocks = self.held.take(request_id)

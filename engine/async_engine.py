@@ -129,7 +129,15 @@ class AsyncEngine:
             self._streams[request_id] = (loop, q)
             return result
 
-        await self.call(start_and_register)
+        try:
+            await self.call(start_and_register)
+        except asyncio.CancelledError:
+            # Cancelled while the command waited: the engine thread skips a cancelled
+            # command (then `start` never ran, and what the caller prepared for it is
+            # still the caller's), or it had run (then the request is in the engine
+            # with nobody to read it: abort it rather than let it run to the end).
+            self.submit(lambda: self._abort_now(request_id))
+            raise
         return self._drain(request_id, q)
 
     async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[list[RequestOutput]]:
@@ -153,11 +161,11 @@ class AsyncEngine:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        def do():
-            self._streams.pop(request_id, None)
-            self.engine.abort(request_id)
+        await self.call(lambda: self._abort_now(request_id))
 
-        await self.call(do)
+    def _abort_now(self, request_id: str) -> None:  # on the engine thread
+        self._streams.pop(request_id, None)
+        self.engine.abort(request_id)
 
     def take_kv_events(self) -> list[KVEvent]:
         with self._events_lock:

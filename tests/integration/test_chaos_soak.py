@@ -93,3 +93,5 @@ def test_chaos_soak_loses_nothing(chaos_redis, duet):
     assert report.outcomes.get("completed", 0) + report.outcomes.get("disconnected", 0) == n
     assert report.greedy_mismatches == 0 and report.wrong_lengths == 0, report.failures
     assert report.extra["requests_in_flight_after"] == 0
+    # Decode's safety net (blocks held past TTL + a pull, reclaimed) never had to act.
+    assert all(s.get("import_blocks_reclaimed", 0) == 0 for s in report.extra["baseline"]["decode"].values())

@@ -4,6 +4,7 @@ engine and every other request go on (and a broken engine still stops)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -109,5 +110,40 @@ async def test_the_async_engine_fails_the_stream_and_keeps_serving(make_engine):
         assert len(ok) == GREEDY.max_tokens
         ae.check_health()
         assert len(await run("after", "Hi")) == GREEDY.max_tokens
+    finally:
+        ae.shutdown()
+
+
+async def test_an_add_cancelled_while_queued_never_starts_and_one_cancelled_after_start_is_aborted(make_engine):
+    e = make_engine()
+    ae = AsyncEngine(e)
+    total = e.block_pool.num_free_blocks
+    try:
+        # Queued behind a busy engine thread, then cancelled: the engine skips the
+        # command, so `start` never runs (what its caller holds is still the caller's).
+        gate, started = threading.Event(), []
+        ae.submit(lambda: gate.wait(10))
+        task = asyncio.create_task(ae.add("queued", lambda: started.append(1)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await ae.call(lambda: None)
+        assert started == []
+
+        # Cancelled while the answer of a command that ran is on its way: the request is
+        # in the engine with nobody to read it, and is aborted at once.
+        loop = asyncio.get_running_loop()
+
+        def start():
+            e.add_request("The capital of France is", GREEDY, request_id="orphan")
+            loop.call_soon_threadsafe(task.cancel)
+
+        task = asyncio.create_task(ae.add("orphan", start))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await ae.call(lambda: None)
+        assert not e.has_unfinished() and e.block_pool.num_free_blocks == total
     finally:
         ae.shutdown()
