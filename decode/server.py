@@ -265,6 +265,16 @@ class DecodeServer:
             eng = self.aengine.engine
             await self.aengine.call(lambda: eng.release_blocks(blocks))
 
+    def record_routing_stats(self) -> dict:
+        """Read by Serve every `router.stats_period_s` for the decode router."""
+        s = self.aengine.stats
+        return {
+            "num_running": s["num_running"] + s["num_waiting"],
+            "kv_blocks_free": s["kv_blocks_free"],
+            "kv_blocks_total": s["kv_blocks_total"],
+            "request_ids": s["request_ids"],
+        }
+
     async def stats(self) -> dict:
         m = self.backend.metrics.snapshot()  # the backend counts every pull, failures too
         return {
