@@ -96,6 +96,7 @@ class Result:
     stream: bool
     greedy: bool
     disconnect_after: float | None  # chunks (stream) or seconds (not); None: stays
+    seed: int | None = None  # sampled requests only
     outcome: str = "pending"  # completed | disconnected | failed | hung
     status: int | None = None
     error: str | None = None
@@ -193,9 +194,7 @@ class ChaosSoak:
             nonlocal finished
             while not queue.empty():
                 r = queue.get_nowait()
-                case = self.cases[r.case]
-                seed = None if r.greedy else rng.randrange(2**31)
-                await self._send(case, r, seed)
+                await self._send(self.cases[r.case], r, r.seed)
                 finished += 1
                 fire_due()
 
@@ -210,7 +209,8 @@ class ChaosSoak:
         if rng.random() < self.plan.disconnect_fraction:
             n = self.cases[case].max_tokens
             disconnect = float(rng.randrange(n)) if stream else rng.uniform(0.0, 2.0)
-        return Result(index, case, stream, rng.random() < self.plan.greedy_fraction, disconnect)
+        greedy = rng.random() < self.plan.greedy_fraction
+        return Result(index, case, stream, greedy, disconnect, seed=None if greedy else rng.randrange(2**31))
 
     async def _fire(self, fault: Fault, start: float, records: list[FaultRecord]) -> None:
         t0 = time.monotonic()
