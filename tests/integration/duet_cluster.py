@@ -8,7 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.config import ClusterConfig, load_config
 
@@ -110,15 +110,20 @@ class Duet:
     name: str
     cfg: ClusterConfig
     url: str
+    _handles: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
     def handle(self, deployment: str):
-        from ray import serve
+        """One handle per deployment for the app's life: a new handle sets up its
+        router on its first call, which makes polling loops slow."""
+        if deployment not in self._handles:
+            from ray import serve
 
-        return serve.get_deployment_handle(deployment, app_name=APP_NAME)
+            self._handles[deployment] = serve.get_deployment_handle(deployment, app_name=APP_NAME)
+        return self._handles[deployment]
 
     def stats(self, deployment: str) -> dict:
         return self.handle(deployment).stats.remote().result(timeout_s=30)

@@ -11,6 +11,7 @@ reads a Ray cluster's: the Ray metrics agent of the node.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -168,8 +169,23 @@ PER_REQUEST = {
 }
 
 
+def _settled_scrape() -> dict[str, list[tuple[dict, float]]]:
+    """A scrape after the earlier tests' last observations have reached the agent:
+    replicas report every second, so wait until the per-request series stop moving
+    across two scrapes more than a report interval apart."""
+    seen = [_scrape()]
+
+    def settled():
+        time.sleep(1.5)
+        seen.append(_scrape())
+        a, b = seen[-2:]
+        return b if all(_sum(a, k[0], **dict([k[1]])) == _sum(b, k[0], **dict([k[1]])) for k in PER_REQUEST) else None
+
+    return wait_for(settled, 60, interval=0, what="the earlier tests' metrics to settle")
+
+
 def test_metrics_reach_the_ray_metrics_agent_with_pool_and_replica_labels(traced):
-    before = _scrape()
+    before = _settled_scrape()
     n = 3
     for i in range(n):
         body = {**CHAT, "messages": [{"role": "user", "content": f"Count to {i + 3}."}]}

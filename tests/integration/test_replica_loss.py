@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from duet_cluster import APP_NAME, gateway_counter, kill_replica, wait_for, wait_idle, wait_replicas
+from duet_cluster import APP_NAME, METRICS_PORT, gateway_counter, kill_replica, wait_for, wait_idle, wait_replicas
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster("resilient")]
 
@@ -19,10 +19,26 @@ CHAT = {"messages": [{"role": "user", "content": "Tell me a long story about a l
         "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-def _serving(duet, pool: str, request_id: str) -> str | None:
-    """The replica of `pool` whose engine holds `request_id` (stats calls land on a random one)."""
-    s = duet.stats(pool)
-    return s["replica_id"] if request_id in s["request_ids"] else None
+def _decode_decisions() -> dict[str, float]:
+    """Decode routing decisions so far, by replica, from this session's Ray metrics
+    agent (the decode router in the gateway counts each `generate` it places)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "ray_duet_router_decisions_total" and sample.labels.get("pool") == "decode":
+                replica = sample.labels["replica"]
+                out[replica] = out.get(replica, 0.0) + sample.value
+    return out
+
+
+def _placed_since(before: dict[str, float]) -> str | None:
+    """The decode replica that got the one decision made since `before` (a stats call
+    would not tell: Serve sends it to the least busy replica, not the serving one)."""
+    grown = [r for r, n in _decode_decisions().items() if n > before.get(r, 0.0)]
+    return grown[0] if len(grown) == 1 else None
 
 
 def _logged_migrations(request_ids: set[str]) -> list[str]:
@@ -64,11 +80,13 @@ def test_a_decode_replica_killed_mid_stream_does_not_end_the_stream(duet):
     wait_replicas("decode", 2)
     reference, _ = _stream(duet)
     before = gateway_counter(duet, "duet_migrations_total")
+    # The reference stream's decision was made (and exported) seconds ago.
+    placed = _decode_decisions()
     killed: list[str] = []
 
     def kill_at_tenth(request_id: str, n: int) -> None:
         if n == 10 and not killed:
-            replica = wait_for(lambda: _serving(duet, "decode", request_id), 30, interval=0.01,
+            replica = wait_for(lambda: _placed_since(placed), 30, interval=0.1,
                                what=f"the decode replica serving {request_id}")
             kill_replica(replica)
             killed.append(replica)
