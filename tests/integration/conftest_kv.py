@@ -23,9 +23,19 @@ PREFIX = "/kv"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for Serve's proxy, from 20000-29999: below the kernel's ephemeral
+    range and above Ray's worker ports (10002-19999), so the processes Ray starts
+    between this check and the proxy's bind cannot take it (an ephemeral port can)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29999")
 
 
 class RedisServer:
