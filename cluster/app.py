@@ -34,19 +34,35 @@ def _options(name: str, pool: PoolConfig, drain_at_least_s: float = 0.0) -> dict
         "graceful_shutdown_wait_loop_s": 0.5,
         "graceful_shutdown_timeout_s": max(pool.drain_timeout_s, drain_at_least_s),
     }
-    if pool.autoscaling is None:
+    if pool.num_gpus:
+        opts["ray_actor_options"]["num_gpus"] = pool.num_gpus
+    a = pool.autoscaling
+    if a is None or a.policy == "fixed":
         opts["num_replicas"] = pool.replicas
-    else:
-        a = pool.autoscaling
+    elif a.policy == "queue":
         opts["autoscaling_config"] = AutoscalingConfig(
             min_replicas=a.min_replicas,
-            initial_replicas=max(a.min_replicas, min(pool.replicas, a.max_replicas)),
+            initial_replicas=pool.initial_replicas(),
             max_replicas=a.max_replicas,
             target_ongoing_requests=a.target_ongoing_requests,
             upscale_delay_s=a.upscale_delay_s,
             downscale_delay_s=a.downscale_delay_s,
         )
+    else:
+        opts["autoscaling_config"] = signal_only_autoscaling(a.min_replicas, pool.initial_replicas(), a.max_replicas,
+                                                             a.signal_interval_s)
     return opts
+
+
+def signal_only_autoscaling(min_replicas: int, initial: int, max_replicas: int, interval_s: float) -> AutoscalingConfig:
+    """Serve autoscaling for a deployment the app-level goodput policy decides
+    (cluster/autoscaler.py): its replicas push `record_autoscaling_stats()` every
+    `interval_s`, and Serve adds no delays of its own (the policy has its windows)."""
+    return AutoscalingConfig(
+        min_replicas=min_replicas, initial_replicas=initial, max_replicas=max_replicas,
+        upscale_delay_s=0.0, downscale_delay_s=0.0,
+        metrics_interval_s=interval_s, look_back_period_s=2 * interval_s,
+    )
 
 
 def router_configs(cfg: ClusterConfig) -> dict[str, RequestRouterConfig]:
@@ -89,13 +105,19 @@ def build_app(cfg: ClusterConfig):
     gateway_env = dict(REPLICA_ENV)
     if os.environ.get(KEYS_ENV):  # the gateway may run on another node: hand the keys over
         gateway_env[KEYS_ENV] = os.environ[KEYS_ENV]
-    gateway = Gateway.options(
-        ray_actor_options={"num_cpus": cfg.gateway.num_cpus, "runtime_env": {"env_vars": gateway_env}},
-        max_ongoing_requests=cfg.gateway.max_pending_requests * 2,
-        graceful_shutdown_wait_loop_s=0.5,
-        graceful_shutdown_timeout_s=cfg.gateway.drain_timeout_s,
-    )
-    gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump(), "telemetry": _telemetry(cfg)}
+    gateway_opts: dict = {
+        "ray_actor_options": {"num_cpus": cfg.gateway.num_cpus, "runtime_env": {"env_vars": gateway_env}},
+        "max_ongoing_requests": cfg.gateway.max_pending_requests * 2,
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "graceful_shutdown_timeout_s": cfg.gateway.drain_timeout_s,
+    }
+    goodput = cfg.scaled_pools("goodput")
+    if goodput:  # the policy reads the gateway's latencies: one replica, reporting
+        interval = min(p.autoscaling.signal_interval_s for p in goodput.values())
+        gateway_opts["autoscaling_config"] = signal_only_autoscaling(1, 1, 1, interval)
+    gateway = Gateway.options(**gateway_opts)
+    gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump(), "telemetry": _telemetry(cfg),
+                    "slo": cfg.slo.model_dump()}
     if cfg.mode == "aggregated":
         pool = serve.deployment(AggregatedServer).options(**_options("aggregated", cfg.aggregated))
         return gateway.bind(**gateway_args, aggregated=pool.bind(**_pool_args(cfg, cfg.aggregated)))

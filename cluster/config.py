@@ -16,6 +16,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from autoscaling.config import BudgetConfig, PoolAutoscaling, SLOConfig
 from engine.config import ConfigError, EngineConfig
 from engine.external_kv import check_chunk_size
 from kvtransfer.config import TransferConfig
@@ -29,36 +30,28 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class ServeAutoscaling(Strict):
-    """Ray Serve's own autoscaling of one pool: replicas follow the number of ongoing
-    requests per replica (`target_ongoing_requests`), within min/max."""
-
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(8.0, gt=0)
-    upscale_delay_s: float = Field(5.0, ge=0)
-    downscale_delay_s: float = Field(30.0, ge=0)
-
-    @model_validator(mode="after")
-    def _bounds(self):
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must be <= max_replicas")
-        return self
-
-
 class PoolConfig(Strict):
-    """How one pool is sized and placed: replicas, CPUs and threads per replica."""
+    """How one pool is sized and placed: replicas, CPUs and threads per replica, and
+    how it scales (`autoscaling:` absent means `policy: fixed` at `replicas`)."""
 
     replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, gt=0)
+    num_gpus: float = Field(0.0, ge=0)
     threads: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(64, ge=1)
-    autoscaling: ServeAutoscaling | None = None
+    autoscaling: PoolAutoscaling | None = None
     # Overrides engine.num_kv_blocks for this pool only (e.g. a small decode pool).
     num_kv_blocks: int | None = Field(None, ge=2)
     # A replica being stopped (scale-down, rolling update) gets no new work and keeps
     # serving what it has (streams; a prefill replica's leases) this long at most.
     drain_timeout_s: float = Field(60.0, ge=0)
+
+    def initial_replicas(self) -> int:
+        """Replicas at deploy time: `replicas`, within the autoscaling bounds."""
+        a = self.autoscaling
+        if a is None or a.policy == "fixed":
+            return self.replicas
+        return max(a.min_replicas, min(self.replicas, a.max_replicas))
 
 
 class ClusterConfig(Strict):
@@ -72,6 +65,10 @@ class ClusterConfig(Strict):
     cache: KVTierConfig = KVTierConfig()
     gateway: GatewayConfig = GatewayConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    # What the goodput autoscaling policy holds the gateway's latencies to, and what
+    # the autoscaled pools may hold together.
+    slo: SLOConfig = SLOConfig()
+    budget: BudgetConfig = BudgetConfig()
 
     @model_validator(mode="after")
     def _across_rooms(self):
@@ -79,7 +76,16 @@ class ClusterConfig(Strict):
             check_chunk_size(self.cache.chunk_size, self.engine.block_size)
         except ValueError as e:
             raise ValueError(f"cache.chunk_size: {e}") from None
+        a = self.aggregated.autoscaling
+        if self.mode == "aggregated" and a is not None and a.policy == "goodput":
+            # One pool doing both phases has no prefill or decode signals of its own.
+            raise ValueError("aggregated.autoscaling.policy: goodput scales a prefill and a decode pool; "
+                             "use queue or fixed in aggregated mode")
         return self
+
+    def scaled_pools(self, policy: str) -> dict[str, PoolConfig]:
+        """The pools whose `autoscaling.policy` is `policy`."""
+        return {n: p for n, p in self.pools().items() if p.autoscaling is not None and p.autoscaling.policy == policy}
 
     def pool_engine(self, pool: PoolConfig) -> EngineConfig:
         """The engine settings of one pool's replicas (its own KV pool size, if set)."""
@@ -94,13 +100,13 @@ class ClusterConfig(Strict):
 
     def required_cpus(self) -> float:
         """CPUs the Serve app reserves at its initial size."""
-        return self.gateway.num_cpus + sum(p.replicas * p.num_cpus for p in self.pools().values())
+        return self.gateway.num_cpus + sum(p.initial_replicas() * p.num_cpus for p in self.pools().values())
 
     def check_fits(self, available_cpus: float) -> None:
         """Serve hangs silently when replicas need more CPUs than exist: fail first."""
         need = self.required_cpus()
         if need > available_cpus + 1e-9:
-            parts = ", ".join(f"{n}.replicas x {n}.num_cpus = {p.replicas * p.num_cpus:g}" for n, p in self.pools().items())
+            parts = ", ".join(f"{n}.replicas x {n}.num_cpus = {p.initial_replicas() * p.num_cpus:g}" for n, p in self.pools().items())
             raise ConfigError(
                 "num_cpus",
                 f"the pools need {need:g} CPUs ({parts}, gateway.num_cpus = {self.gateway.num_cpus:g}) "

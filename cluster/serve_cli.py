@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--print-serve-config", action="store_true",
+                   help="print the generated Ray Serve config (what is deployed) as YAML and exit")
 
 
 def config_from_args(args) -> ClusterConfig:
@@ -56,7 +58,8 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
     import ray
     from ray import serve
 
-    from cluster.app import REPLICA_ENV, build_app
+    from cluster.app import REPLICA_ENV
+    from cluster.serve_config import deploy
 
     if not ray.is_initialized():
         if address:
@@ -67,10 +70,17 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
                      runtime_env={"env_vars": REPLICA_ENV})
     cfg.check_fits(ray.cluster_resources().get("CPU", 0))
     serve.start(http_options={"host": cfg.gateway.host, "port": cfg.gateway.port})
-    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+    deploy(cfg)  # the generated Serve config (cluster/serve_config.py), as a RayService would
     url = f"http://{'127.0.0.1' if cfg.gateway.host == '0.0.0.0' else cfg.gateway.host}:{cfg.gateway.port}"
     wait_ready(url, ready_timeout)
     return url
+
+
+def _scaling(pool) -> str:
+    a = pool.autoscaling
+    if a is None or a.policy == "fixed":
+        return ""
+    return f" ({a.policy} {a.min_replicas}-{a.max_replicas})"
 
 
 def wait_ready(url: str, timeout: float) -> None:
@@ -104,6 +114,13 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"duet serve: invalid config: {e}", file=sys.stderr)
         return 2
+    if args.print_serve_config:
+        import yaml
+
+        from cluster.serve_config import serve_config
+
+        print(yaml.safe_dump(serve_config(cfg), sort_keys=False), end="")
+        return 0
     t0 = time.monotonic()
     try:
         url = start(cfg, args.address, args.ready_timeout)
@@ -111,7 +128,7 @@ def run(args) -> int:
         print(f"duet serve: {e}", file=sys.stderr)
         stop()
         return 2
-    pools = ", ".join(f"{n} x{p.replicas}" for n, p in cfg.pools().items())
+    pools = ", ".join(f"{n} x{p.initial_replicas()}{_scaling(p)}" for n, p in cfg.pools().items())
     print(f"duet is serving {served_model_name(cfg.engine)} ({cfg.mode}: {pools}; transfer {cfg.transfer.backend}) "
           f"at {url}/v1  [ready in {time.monotonic() - t0:.0f}s]", flush=True)
     done = threading.Event()

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from autoscaling.signals import DecodeSignals
 from engine.async_engine import start_engine
 from engine.config import EngineConfig
 from engine.request import RequestOutput
@@ -130,6 +131,7 @@ class DecodeServer:
         self._imports: dict[str, asyncio.Task] = {}
         self.reclaimed_blocks = 0
         self.telemetry = ReplicaTelemetry(telemetry, "decode", self.replica_id, lambda: self.aengine.stats)
+        self.signals = DecodeSignals()
         log.info("decode replica %s ready (backend %s)", self.replica_id, self.backend.name)
 
     async def _import(self, req: DecodeRequest, parent: Span) -> list[int] | None:
@@ -241,6 +243,8 @@ class DecodeServer:
             raise
         async with contextlib.aclosing(stream) as outputs:  # closed with us: aborts the request now
             async for outs in outputs:
+                if outs[-1].finished and (m := outs[-1].metrics) is not None:
+                    self.signals.request(m.first_scheduled_time, m.finished_time, outs[-1].num_output_tokens)
                 yield outs
 
     def _discard_import(self, request_id: str) -> Callable[[asyncio.Future], None]:
@@ -274,6 +278,10 @@ class DecodeServer:
             "kv_blocks_total": s["kv_blocks_total"],
             "request_ids": s["request_ids"],
         }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Read by Serve every `metrics_interval_s` for the autoscaling policy."""
+        return self.signals.report(self.aengine.stats, waiting_imports=len(self._imports))
 
     async def stats(self) -> dict:
         m = self.backend.metrics.snapshot()  # the backend counts every pull, failures too

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from autoscaling.signals import PrefillSignals
 from engine.async_engine import start_engine
 from engine.config import EngineConfig
 from engine.request import FinishReason
@@ -68,6 +69,7 @@ class PrefillServer:
         )
         eng.on_export = lambda export: self.exporter.grant(export.request_id, export.block_ids)
         self.telemetry = ReplicaTelemetry(telemetry, "prefill", self.replica_id, self._engine_stats)
+        self.signals = PrefillSignals()
         self._closed = False
         log.info("prefill replica %s ready (backend %s)", self.replica_id, backend.name)
 
@@ -94,6 +96,11 @@ class PrefillServer:
         if window is not None:
             out["kv_log"] = window
         return out
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Read by Serve every `metrics_interval_s` for the autoscaling policy
+        (autoscaling/signals.py names what is in it)."""
+        return self.signals.report(self.aengine.stats)
 
     async def prefill(
         self,
@@ -141,6 +148,9 @@ class PrefillServer:
             final = outs[-1]
         assert final is not None and final.finished
         self.telemetry.engine_request(span, final.metrics)
+        if (m := final.metrics) is not None:
+            self.signals.request(m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
+                                 final.num_prompt_tokens, final.num_cached_tokens)
         if final.finish_reason == FinishReason.ABORT:
             raise asyncio.CancelledError(f"{request_id} aborted")
         handle = None

@@ -58,8 +58,15 @@ CACHED_TOKENS = _c("duet_cached_prompt_tokens_total", "Prompt tokens served from
 OUTPUT_TOKENS = _c("duet_output_tokens_total", "Generated tokens")
 IN_FLIGHT = _g("duet_requests_in_flight", "Requests inside the gateway")
 MIGRATIONS = _c("duet_migrations_total", "Requests continued on another decode replica after theirs was lost")
+GOODPUT = _g("duet_goodput_ratio", "Fraction of the last window's finished requests that met the SLO (TTFT and TPOT)")
 PREFILL_RETRIES = _c("duet_prefill_retries_total", "Prefill calls retried on another replica after theirs was lost")
 # ---------------------------------------------------------------- routers (in the gateway process)
+# Autoscaling, recorded by the policy in the Serve controller (pool = the scaled pool).
+AUTOSCALE_DESIRED = _g("duet_autoscale_desired_replicas", "Replicas the autoscaling policy wants for the pool")
+AUTOSCALE_CURRENT = _g("duet_autoscale_current_replicas", "Replicas the pool had when the policy decided")
+AUTOSCALE_DECISIONS = _c("duet_autoscale_decisions_total", "Autoscaling changes by direction and reason",
+                         ("direction", "reason"))
+
 ROUTER_DECISIONS = _c("duet_router_decisions_total", "Routing decisions by reason; replica = the chosen one", ("reason",))
 ROUTER_OVERLAP = _h("duet_router_overlap_blocks", "Prompt blocks cached on the chosen prefill replica", buckets=BLOCK_BUCKETS)
 # ---------------------------------------------------------------- replicas

@@ -18,6 +18,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from ray import serve
 
+from autoscaling.config import SLOConfig
+from autoscaling.signals import GatewaySignals
 from engine.config import EngineConfig
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -106,11 +108,12 @@ class Gateway:
     """Owns the HTTP surface, the tokenizer and the handles to the pools."""
 
     def __init__(
-        self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None, telemetry: dict | None = None
+        self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None, telemetry: dict | None = None,
+        slo: dict | None = None,
     ):
-        """`gateway`, `engine` and `telemetry` are a dumped `GatewayConfig`, the pools'
-        `EngineConfig` and a `TelemetryConfig`; `aggregated` set means aggregated mode,
-        else `prefill` and `decode` are the pools."""
+        """`gateway`, `engine`, `telemetry` and `slo` are a dumped `GatewayConfig`, the
+        pools' `EngineConfig`, a `TelemetryConfig` and an `SLOConfig`; `aggregated` set
+        means aggregated mode, else `prefill` and `decode` are the pools."""
         self.cfg = GatewayConfig.model_validate(gateway)
         self.engine_cfg = EngineConfig.model_validate(engine)
         self.mode = "aggregated" if aggregated is not None else "disaggregated"
@@ -121,6 +124,8 @@ class Gateway:
         tracing.setup_tracing(TelemetryConfig.model_validate(telemetry or {}), "gateway")
         self.metrics = GatewayMetrics(replica_id())
         self.record = self.metrics.recorder
+        slo_cfg = SLOConfig.model_validate(slo or {})
+        self.signals = GatewaySignals(slo_cfg.ttft_ms, slo_cfg.tpot_ms, quantile=slo_cfg.goodput_target)
         self.keys = APIKeys.load(self.cfg.api_keys_file)
         self.resilience = pipeline.Resilience(self.cfg.max_migrations, self.cfg.prefill_retries)
         self.limiter = KeyLimiter(self.cfg.max_in_flight_per_key, self.cfg.tokens_per_minute_per_key)
@@ -134,6 +139,12 @@ class Gateway:
             )
         if not self.keys.enabled:
             log.warning("gateway: no API keys configured (DUET_API_KEYS, gateway.api_keys_file): open to anyone")
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """End-to-end latencies, goodput and arrivals for the autoscaling policy
+        (read by Serve every `metrics_interval_s`)."""
+        self.signals.in_flight = self.in_flight
+        return self.signals.report()
 
     # ------------------------------------------------------------ probes
     @app.get("/health")
@@ -272,6 +283,7 @@ class Gateway:
         self.limiter.acquire(call.key)
         self.in_flight += 1
         self.record.set(metrics.IN_FLIGHT, self.in_flight)
+        self.signals.arrived(len(call.prompt_ids))
         timing = pipeline.Timing()
         span = tracing.NO_SPAN
         if tracing.enabled():  # off: not even the attributes are built
@@ -319,6 +331,10 @@ class Gateway:
             if status == "ok" and n_out > 1 and first is not None and last is not None:
                 tpot = (last - first) / (n_out - 1)
                 self.record.observe(metrics.TPOT, tpot)
+            if status != "cancelled":  # a client that left says nothing of the SLO
+                self.signals.finished(None if first is None else first - timing.start, tpot, ok=status == "ok")
+                if (goodput := self.signals.goodput()) is not None:
+                    self.record.set(metrics.GOODPUT, goodput)
             if span is not tracing.NO_SPAN:
                 tracing.set_attributes(span, {
                     "gen_ai.usage.input_tokens": usage.num_prompt_tokens if usage else len(call.prompt_ids),

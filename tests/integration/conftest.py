@@ -2,8 +2,8 @@
 
 Tests name the cluster config they need with ``@pytest.mark.cluster("name")``
 (a key of ``CLUSTERS``) and take the ``duet`` fixture. Collection sorts tests by
-that name so each config is deployed once: ``serve.run`` replaces the app only when
-the config changes. This machine has 2 cores; every redeploy costs two model loads.
+that name so each config is deployed once: its generated Serve config
+(cluster/serve_config.py) replaces the app only when the config changes. This machine has 2 cores; every redeploy costs two model loads.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from duet_cluster import APP_NAME, CHAOS_REDIS_PORT, CLUSTERS, METRICS_PORT, PORT, Duet, cluster_config, wait_for
+from duet_cluster import CHAOS_REDIS_PORT, CLUSTERS, METRICS_PORT, PORT, Duet, cluster_config, wait_for
 
 
 def pytest_configure(config):
@@ -63,14 +63,11 @@ class _Deployer:
         cfg = cluster_config(name)
         if self.current is not None and self.current.cfg == cfg:
             return self.current
-        from ray import serve
-
-        from cluster.app import build_app
         from cluster.serve_cli import wait_ready
+        from cluster.serve_config import deploy
 
         self.current = None
-        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False,
-                  logging_config={"log_level": "WARNING", "enable_access_log": False})
+        deploy(cfg)  # the generated Serve config, as `duet serve` deploys it
         url = f"http://127.0.0.1:{PORT}"
         wait_ready(url, timeout=240)
         self.current = Duet(name, cfg, url)

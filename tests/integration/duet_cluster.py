@@ -51,6 +51,10 @@ CHAOS_REDIS_PORT = 6394
 CHAOS_REQUEST_TIMEOUT_S = 90.0
 CHAOS_MAX_TOKENS = 24
 
+# The "autoscaling" cluster's TTFT SLO and capacity profile.
+AUTOSCALE_TTFT_SLO_MS = 1500
+PROFILE = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "smollm2-135m-cpu.json"
+
 # In deploy order; tests of one config run together.
 CLUSTERS: dict[str, dict] = {
     # No migration or prefill retry: a killed replica's request fails (test_failures.py).
@@ -76,6 +80,16 @@ CLUSTERS: dict[str, dict] = {
         "telemetry.otlp_endpoint": f"http://127.0.0.1:{OTLP_PORT}",
         "telemetry.export_delay_ms": 200,
         "decode.num_kv_blocks": TRACED_DECODE_BLOCKS,
+    },
+    # The goodput policy on prefill (1-2 replicas) and decode (held at 1), reacting
+    # within seconds: signals every second, 1 s up and 10 s down windows, 5 s warm-up.
+    "autoscaling": {
+        "slo": {"ttft_ms": AUTOSCALE_TTFT_SLO_MS, "tpot_ms": 500},
+        "prefill.autoscaling": {"policy": "goodput", "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 1,
+                                "downscale_delay_s": 10, "warmup_s": 5, "signal_interval_s": 1,
+                                "profile": str(PROFILE)},
+        "decode.autoscaling": {"policy": "goodput", "min_replicas": 1, "max_replicas": 1, "signal_interval_s": 1,
+                               "profile": str(PROFILE)},
     },
     # Two replicas per pool, so a lost one can be survived (tests kill replicas: last).
     "resilient": {"prefill.replicas": 2, "decode.replicas": 2},

@@ -1,0 +1,116 @@
+"""The goodput policy inside Ray Serve: an application-level autoscaling policy.
+
+Serve's controller calls `GoodputAutoscaler` (configured from the generated Serve
+config's `autoscaling_policy.policy_kwargs`) on every control-loop tick with the
+autoscaling context of each deployment of the app: replicas running and asked for,
+and what each replica's `record_autoscaling_stats()` last reported. It turns those
+into the pure policy's view (autoscaling/policy.py), returns each pool's replica
+count, and records the decision as metrics. A pool with `policy: queue` gets Serve's
+own rule here (an app-level policy replaces the deployments' own).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+from autoscaling import signals as sig
+from autoscaling.config import BudgetConfig, CapacityProfile, PoolAutoscaling, SLOConfig
+from autoscaling.policy import GoodputPolicy, PoolPolicy, PoolState
+from autoscaling.signals import ReplicaReport
+from telemetry import metrics
+
+# The controller's own logger: decisions land in its log (logs/serve/controller_*.log).
+log = logging.getLogger("ray.serve")
+
+GATEWAY = "gateway"
+
+
+def policy_kwargs(pools: Mapping[str, dict], slo: dict, budget: dict) -> dict:
+    """The JSON the Serve config carries to `GoodputAutoscaler`: per pool its role,
+    settings, capacity profile (the numbers, not the file) and cost per replica."""
+    return {"pools": dict(pools), "slo": slo, "budget": budget}
+
+
+class GoodputAutoscaler:
+    """Serve's application-level policy: `__call__(contexts) -> (replicas, state)`."""
+
+    def __init__(self, pools: dict, slo: dict, budget: dict) -> None:
+        goodput, self.queue_pools = {}, set()
+        for name, p in pools.items():
+            settings = PoolAutoscaling.model_validate(p["settings"])
+            if settings.policy == "queue":
+                self.queue_pools.add(name)
+            elif settings.policy == "goodput":
+                goodput[name] = PoolPolicy(p["role"], settings, CapacityProfile.model_validate(p.get("profile") or {}),
+                                           p.get("cpus_per_replica", 0.0), p.get("gpus_per_replica", 0.0))
+        self.policy = GoodputPolicy(goodput, SLOConfig.model_validate(slo), BudgetConfig.model_validate(budget))
+        self._first_seen: dict[str, float] = {}
+        self._recorder: metrics.Recorder | None = None
+        self._last_reasons: dict[str, tuple[int, str]] = {}
+
+    def __call__(self, contexts: Mapping) -> tuple[dict, dict]:
+        now = time.monotonic()
+        by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
+        gateway = self._gateway_view(by_name.get(GATEWAY, (None, None))[1])
+        states = {name: self._pool_state(ctx, now) for name, (_, ctx) in by_name.items() if name in self.policy.pools}
+        decisions = self.policy.decide(now, states, gateway)
+        out = {by_name[name][0]: d.desired for name, d in decisions.items()}
+        for name in self.queue_pools & by_name.keys():
+            dep_id, ctx = by_name[name]
+            out[dep_id] = _serve_queue_rule(ctx)
+        self._record(decisions)
+        return out, {}
+
+    def _pool_state(self, ctx, now: float) -> PoolState:
+        values = _per_replica(ctx)
+        reports = []
+        for rid in ctx.running_replicas:
+            key = rid.unique_id
+            first = self._first_seen.setdefault(key, now)
+            reports.append(ReplicaReport(key, now - first, values.get(key, {})))
+        return PoolState(ctx.target_num_replicas, tuple(reports))
+
+    @staticmethod
+    def _gateway_view(ctx) -> dict[str, float]:
+        """The gateway replicas' reports combined: rates add up, tails take the worst."""
+        if ctx is None:
+            return {}
+        out: dict[str, float] = {}
+        for values in _per_replica(ctx).values():
+            for k, v in values.items():
+                if k in (sig.ARRIVALS_PER_S, sig.ARRIVAL_PROMPT_TOKENS_PER_S, sig.FINISHED, sig.IN_FLIGHT):
+                    out[k] = out.get(k, 0.0) + v
+                else:
+                    out[k] = max(out.get(k, -1.0), v)
+        return out
+
+    def _record(self, decisions) -> None:
+        if self._recorder is None:
+            self._recorder = metrics.Recorder("autoscaler", "controller")
+        for name, d in decisions.items():
+            self._recorder.set(metrics.AUTOSCALE_DESIRED, d.desired, pool=name)
+            self._recorder.set(metrics.AUTOSCALE_CURRENT, d.current, pool=name)
+            if d.desired != d.current:
+                self._recorder.inc(metrics.AUTOSCALE_DECISIONS, pool=name, direction=d.direction, reason=d.reason)
+                log.info("duet autoscale %s: %d -> %d (%s: %s)", name, d.current, d.desired, d.reason, d.detail)
+            elif self._last_reasons.get(name) != (d.current, d.reason):  # a hold: once per new reason
+                log.info("duet autoscale %s: hold %d (%s: %s)", name, d.current, d.reason, d.detail)
+            self._last_reasons[name] = (d.current, d.reason)
+
+
+def _per_replica(ctx) -> dict[str, dict[str, float]]:
+    """`{replica: {signal: value}}` from Serve's aggregated custom metrics."""
+    out: dict[str, dict[str, float]] = {}
+    for metric, by_replica in (ctx.aggregated_metrics or {}).items():
+        for rid, value in by_replica.items():
+            out.setdefault(rid.unique_id, {})[metric] = float(value)
+    return out
+
+
+def _serve_queue_rule(ctx) -> float:
+    from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
+
+    replicas, _ = replica_queue_length_autoscaling_policy(ctx)
+    return replicas

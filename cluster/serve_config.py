@@ -1,0 +1,93 @@
+"""The Serve config of a duet cluster, generated from its `ClusterConfig`.
+
+One file describes the whole app the way Ray Serve's declarative API (and a KubeRay
+`RayService`'s `serveConfigV2`) takes it: the app is built by `build` from the
+cluster config carried in `args`, and when a pool uses the goodput policy the app
+gets the application-level `autoscaling_policy` (cluster/autoscaler.py) with the
+policy's settings and capacity profiles inlined (the Serve controller may run on a
+node that has no profile file). `duet serve` deploys exactly this.
+"""
+
+from __future__ import annotations
+
+import os
+
+from cluster.app import REPLICA_ENV, build_app
+from cluster.autoscaler import policy_kwargs
+from cluster.config import ClusterConfig
+from cluster.serve_cli import APP_NAME
+from routing.openai.access import KEYS_ENV
+
+IMPORT_PATH = "cluster.serve_config:build"
+POLICY_PATH = "cluster.autoscaler:GoodputAutoscaler"
+
+
+def build(args: dict):
+    """Serve's application builder (`import_path`): the app from `args["config"]`."""
+    return build_app(ClusterConfig.model_validate(args["config"]))
+
+
+def serve_config(cfg: ClusterConfig, env: dict[str, str] | None = None) -> dict:
+    """The Serve config (`ServeDeploySchema`) that deploys `cfg`. `env`: extra
+    environment for every process of the app (e.g. the API keys a joined cluster
+    does not have)."""
+    cfg = cfg.model_copy(update={"telemetry": cfg.telemetry.resolved()})  # this shell's OTEL_* variables
+    app: dict = {
+        "name": APP_NAME,
+        "route_prefix": "/",
+        "import_path": IMPORT_PATH,
+        "args": {"config": _portable(cfg)},
+        "runtime_env": {"env_vars": {**REPLICA_ENV, **(env or {})}},
+    }
+    policy = autoscaling_policy(cfg)
+    if policy is not None:
+        app["autoscaling_policy"] = policy
+    return {
+        "http_options": {"host": cfg.gateway.host, "port": cfg.gateway.port},
+        "logging_config": {"log_level": "WARNING", "enable_access_log": False},
+        "applications": [app],
+    }
+
+
+def autoscaling_policy(cfg: ClusterConfig) -> dict | None:
+    """The app-level policy, when any pool is scaled by `goodput` (else None: the
+    pools' own Serve settings decide)."""
+    if not cfg.scaled_pools("goodput"):
+        return None
+    pools = {}
+    for name, pool in cfg.pools().items():
+        a = pool.autoscaling
+        if a is None or a.policy == "fixed":
+            continue
+        pools[name] = {
+            "role": name,
+            "settings": a.model_dump(mode="json", exclude={"profile"}),
+            "profile": a.load_profile().model_dump(mode="json"),
+            "cpus_per_replica": pool.num_cpus,
+            "gpus_per_replica": pool.num_gpus,
+        }
+    kwargs = policy_kwargs(pools, cfg.slo.model_dump(mode="json"), cfg.budget.model_dump(mode="json"))
+    return {"policy_function": POLICY_PATH, "policy_kwargs": kwargs}
+
+
+def _portable(cfg: ClusterConfig) -> dict:
+    """The cluster config as JSON, without what only this machine can resolve (the
+    profile files: their numbers travel in the policy's kwargs)."""
+    data = cfg.model_dump(mode="json", exclude_defaults=True)
+    for name in cfg.pools():
+        if (data.get(name) or {}).get("autoscaling", {}).get("profile") is not None:
+            data[name]["autoscaling"]["profile"] = None
+    return data
+
+
+def deploy(cfg: ClusterConfig) -> dict:
+    """Apply `cfg`'s Serve config to the running Serve instance (as `serve deploy`
+    would, without the dashboard); returns the config applied."""
+    from ray.serve._private.api import serve_start  # noqa: F401  (Serve must be started first)
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    env = {KEYS_ENV: os.environ[KEYS_ENV]} if os.environ.get(KEYS_ENV) else None
+    config = serve_config(cfg, env)
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
+    return config

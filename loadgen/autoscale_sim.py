@@ -1,0 +1,302 @@
+"""Autoscaling policies replayed against a traffic trace, in simulation.
+
+The cluster model is the planner's (loadgen/simulator.py): a prefill replica serves
+prompts one at a time in a + b x tokens; a decode replica steps its batch in
+c + d x batch, every running sequence gaining one token a step. Time moves in
+`dt` steps; requests arrive as a Poisson process whose rate follows the trace.
+Replicas take `cold_start_s` to come up (they cost from the moment they are asked
+for) and a removed replica drains: it takes no new work and goes when empty.
+
+Each pool's replicas report what real replicas report, through the same classes
+(autoscaling/signals.py, on the simulation's clock), and the policies are:
+- `fixed`: the initial replicas throughout;
+- `queue`: Ray Serve's rule, ongoing requests per replica against a target, with
+  its up/down delays;
+- `goodput`: `autoscaling.policy.GoodputPolicy`, the code the Serve controller runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autoscaling import signals as sig
+from autoscaling.config import BudgetConfig, CapacityProfile, PoolAutoscaling, SLOConfig
+from autoscaling.policy import GoodputPolicy, PoolPolicy, PoolState
+from autoscaling.signals import DecodeSignals, GatewaySignals, PrefillSignals, ReplicaReport
+from loadgen.distributions import LengthDist
+
+
+@dataclass
+class Request:
+    arrival: float
+    prompt: int
+    output: int
+    prefill_start: float | None = None
+    first_token: float | None = None
+    done: float | None = None
+    left: float = 0.0  # decode tokens still to make (fractional while stepping)
+
+
+@dataclass
+class Replica:
+    pool: str
+    created: float
+    ready_at: float
+    draining: bool = False
+    queue: deque = field(default_factory=deque)  # prefill: FCFS; decode: waiting for a batch slot
+    busy_until: float = 0.0  # prefill: when the request at the head is done
+    running: list = field(default_factory=list)  # decode: the batch
+    signals: object = None
+
+    def empty(self) -> bool:
+        return not self.queue and not self.running
+
+
+@dataclass(frozen=True)
+class SimPolicy:
+    """What decides the replica counts: `fixed`, `queue` (with its target) or `goodput`."""
+
+    name: str
+    kind: str
+    target_ongoing_requests: float = 2.0
+
+
+@dataclass
+class SimRun:
+    policy: str
+    requests: list[Request]
+    timeline: list[dict]
+    actions: int
+    replica_seconds: dict[str, float]
+
+    def summary(self, slo: SLOConfig, burst: tuple[float, float] | None = None) -> dict:
+        good = np.array([_good(r, slo) for r in self.requests])
+        ttft = np.array([r.first_token - r.arrival for r in self.requests if r.first_token is not None])
+        out = {
+            "policy": self.policy,
+            "requests": len(self.requests),
+            "goodput_ratio": float(good.mean()) if len(good) else math.nan,
+            "ttft_p90_ms": float(np.percentile(ttft, 90) * 1e3) if len(ttft) else math.nan,
+            "replica_seconds": round(sum(self.replica_seconds.values()), 1),
+            "replica_seconds_by_pool": {k: round(v, 1) for k, v in self.replica_seconds.items()},
+            "scaling_actions": self.actions,
+        }
+        if burst is not None:
+            out["recovery_s"] = self.recovery_s(slo, *burst)
+        return out
+
+    def recovery_s(self, slo: SLOConfig, start: float, end: float, window_s: float = 10.0) -> float | None:
+        """Seconds from the burst's start until every later `window_s` window of
+        arrivals (to the burst's end) meets the goodput target; None: never."""
+        last_bad = None
+        for t in np.arange(start, end - window_s + 1e-9, 1.0):
+            reqs = [r for r in self.requests if t <= r.arrival < t + window_s]
+            if reqs and np.mean([_good(r, slo) for r in reqs]) < slo.goodput_target:
+                last_bad = t
+        if last_bad is None:
+            return 0.0
+        recovered = last_bad + window_s
+        return round(recovered - start, 1) if recovered < end else None
+
+
+def _good(r: Request, slo: SLOConfig) -> bool:
+    if r.done is None or r.first_token is None:
+        return False
+    if (r.first_token - r.arrival) * 1e3 > slo.ttft_ms:
+        return False
+    tpot = (r.done - r.first_token) / (r.output - 1) if r.output > 1 else 0.0
+    return tpot * 1e3 <= slo.tpot_ms
+
+
+class ClusterSim:
+    """One run: `rate(t)` requests/s for `duration_s`, replicas decided each
+    `interval_s` by `policy`."""
+
+    def __init__(self, profile: CapacityProfile, slo: SLOConfig, pools: dict[str, PoolAutoscaling],
+                 initial: dict[str, int], input_len: LengthDist, output_len: LengthDist,
+                 cold_start_s: float = 20.0, dt: float = 0.05, interval_s: float = 1.0,
+                 budget: BudgetConfig | None = None, seed: int = 0) -> None:
+        assert profile.prefill_model is not None and profile.decode_model is not None
+        self.profile, self.slo, self.pools, self.initial = profile, slo, pools, initial
+        self.input_len, self.output_len = input_len, output_len
+        self.cold_start_s, self.dt, self.interval_s = cold_start_s, dt, interval_s
+        self.budget, self.seed = budget, seed
+
+    def run(self, policy: SimPolicy, rate: Callable[[float], float], duration_s: float) -> SimRun:
+        rng = np.random.default_rng(self.seed)
+        self.now = 0.0
+        clock = lambda: self.now  # noqa: E731
+        self.gateway = GatewaySignals(self.slo.ttft_ms, self.slo.tpot_ms, self.slo.goodput_target, clock=clock)
+        self.replicas: dict[str, list[Replica]] = {p: [] for p in ("prefill", "decode")}
+        for pool, n in self.initial.items():
+            for _ in range(n):
+                self._add(pool, ready=True)
+        goodput = None
+        if policy.kind == "goodput":
+            goodput = GoodputPolicy({p: PoolPolicy(p, s, self.profile, cpus_per_replica=1.0)
+                                     for p, s in self.pools.items()}, self.slo, self.budget)
+        queue_since: dict[str, tuple[int, float]] = {}
+        requests: list[Request] = []
+        timeline: list[dict] = []
+        actions = 0
+        cost = {p: 0.0 for p in self.replicas}
+        next_tick = 0.0
+        next_sample = 0.0
+        steps = int(round(duration_s / self.dt))
+        for i in range(steps):
+            self.now = i * self.dt
+            for _ in range(rng.poisson(rate(self.now) * self.dt)):
+                r = Request(self.now + rng.uniform(0, self.dt), int(self.input_len.sample(rng, 1)[0]),
+                            int(self.output_len.sample(rng, 1)[0]))
+                requests.append(r)
+                self.gateway.arrived(r.prompt)
+                self._route_prefill(r)
+            self._step_prefill()
+            self._step_decode()
+            for pool, reps in self.replicas.items():
+                cost[pool] += len(reps) * self.dt
+                self.replicas[pool] = [x for x in reps if not (x.draining and x.empty())]
+            if self.now >= next_tick:
+                next_tick += self.interval_s
+                desired = self._decide(policy, goodput, queue_since)
+                for pool, n in desired.items():
+                    actions += int(n != self._target(pool))
+                    self._resize(pool, n)
+            if self.now >= next_sample:
+                next_sample += 1.0
+                timeline.append({"t": round(self.now, 2), "rate": rate(self.now),
+                                 **{f"{p}_replicas": self._target(p) for p in self.replicas},
+                                 "ttft_p90_ms": self.gateway.ttft.quantile(0.9) and self.gateway.ttft.quantile(0.9) * 1e3,
+                                 "goodput": self.gateway.goodput()})
+        return SimRun(policy.name, [r for r in requests if r.arrival < duration_s - 60 or r.done is not None],
+                      timeline, actions, cost)
+
+    # ------------------------------------------------------------ replicas
+    def _add(self, pool: str, ready: bool = False) -> None:
+        clock = lambda: self.now  # noqa: E731
+        s = PrefillSignals(self.slo.goodput_target, clock=clock) if pool == "prefill" else \
+            DecodeSignals(self.slo.goodput_target, clock=clock)
+        self.replicas[pool].append(Replica(pool, self.now, self.now if ready else self.now + self.cold_start_s, signals=s))
+
+    def _target(self, pool: str) -> int:
+        return sum(1 for r in self.replicas[pool] if not r.draining)
+
+    def _resize(self, pool: str, n: int) -> None:
+        live = [r for r in self.replicas[pool] if not r.draining]
+        for _ in range(n - len(live)):
+            self._add(pool)
+        if n < len(live):  # drain the newest first (those not ready yet go at once)
+            for r in sorted(live, key=lambda r: -r.created)[: len(live) - n]:
+                r.draining = True
+                if self.now < r.ready_at:
+                    r.queue.clear()
+
+    def _ready(self, pool: str) -> list[Replica]:
+        return [r for r in self.replicas[pool] if not r.draining and r.ready_at <= self.now]
+
+    # ------------------------------------------------------------ prefill
+    def _route_prefill(self, req: Request) -> None:
+        ready = self._ready("prefill")
+        backlog = lambda r: sum(q.prompt for q in r.queue) + max(0.0, r.busy_until - self.now) * 1e3  # noqa: E731
+        min(ready, key=backlog).queue.append(req)
+
+    def _step_prefill(self) -> None:
+        m = self.profile.prefill_model
+        for rep in self.replicas["prefill"]:
+            if rep.ready_at > self.now:
+                continue
+            while rep.queue and rep.busy_until <= self.now + self.dt:
+                head = rep.queue[0]
+                if head.prefill_start is None:
+                    head.prefill_start = max(self.now, rep.busy_until, head.arrival)
+                    rep.busy_until = head.prefill_start + (m.a_ms + m.b_ms_per_token * head.prompt) / 1e3
+                if rep.busy_until > self.now + self.dt:
+                    break
+                rep.queue.popleft()
+                head.first_token = rep.busy_until
+                rep.signals.request(head.arrival, head.prefill_start, head.first_token, head.first_token,
+                                    head.prompt, 0)
+                head.left = max(0, head.output - 1)
+                self._route_decode(head)
+
+    # ------------------------------------------------------------ decode
+    def _route_decode(self, req: Request) -> None:
+        if req.left <= 0:
+            self._finish(req, req.first_token)
+            return
+        ready = self._ready("decode")
+        min(ready, key=lambda r: len(r.running) + len(r.queue)).queue.append(req)
+
+    def _step_decode(self) -> None:
+        m = self.profile.decode_model
+        for rep in self.replicas["decode"]:
+            if rep.ready_at > self.now:
+                continue
+            while rep.queue and len(rep.running) < m.max_batch:
+                rep.running.append(rep.queue.popleft())
+            if not rep.running:
+                continue
+            per_token = self.dt / ((m.c_ms + m.d_ms_per_seq * len(rep.running)) / 1e3)
+            still = []
+            for req in rep.running:
+                req.left -= per_token
+                if req.left <= 0:
+                    self._finish(req, self.now + self.dt)
+                    rep.signals.request(req.first_token, req.done, req.output)
+                else:
+                    still.append(req)
+            rep.running = still
+
+    def _finish(self, req: Request, at: float) -> None:
+        req.done = at
+        tpot = (req.done - req.first_token) / (req.output - 1) if req.output > 1 else None
+        self.gateway.finished(req.first_token - req.arrival, tpot, ok=True)
+
+    # ------------------------------------------------------------ decisions
+    def _decide(self, policy: SimPolicy, goodput: GoodputPolicy | None, since: dict) -> dict[str, int]:
+        if policy.kind == "fixed":
+            return {}
+        if policy.kind == "queue":
+            return {p: self._serve_queue_rule(p, policy.target_ongoing_requests, since) for p in self.pools}
+        states = {}
+        for pool in self.pools:
+            reports = tuple(ReplicaReport(f"{pool}{i}", self.now - r.ready_at, self._report(r))
+                            for i, r in enumerate(self._ready(pool)))
+            states[pool] = PoolState(self._target(pool), reports)
+        decisions = goodput.decide(self.now, states, self.gateway.report())
+        return {p: d.desired for p, d in decisions.items()}
+
+    def _report(self, r: Replica) -> dict[str, float]:
+        if r.pool == "prefill":
+            waiting = [q for q in r.queue if q.prefill_start is None]
+            return r.signals.report({"queued_prefill_tokens": sum(q.prompt for q in waiting),
+                                     "num_waiting": len(waiting), "num_running": len(r.queue) - len(waiting)})
+        total = 1 << 20  # KV is not the limit in this model: the batch's step time is
+        return r.signals.report({"num_running": len(r.running), "num_waiting": len(r.queue),
+                                 "kv_blocks_total": total, "kv_blocks_free": total}, waiting_imports=0)
+
+    def _serve_queue_rule(self, pool: str, target: float, since: dict) -> int:
+        """Ray Serve's default policy: replicas = ongoing requests / target, acted on
+        once the wish has lasted the up (or down) delay, within min/max."""
+        s = self.pools[pool]
+        current = self._target(pool)
+        ongoing = sum(len(r.queue) + len(r.running) for r in self.replicas[pool])
+        want = min(max(math.ceil(ongoing / target), s.min_replicas), s.max_replicas)
+        if want == current:
+            since.pop(pool, None)
+            return current
+        direction = 1 if want > current else -1
+        prev = since.get(pool)
+        if prev is None or prev[0] != direction:
+            since[pool] = (direction, self.now)
+            prev = since[pool]
+        delay = s.upscale_delay_s if direction > 0 else s.downscale_delay_s
+        if self.now - prev[1] >= delay:
+            since.pop(pool, None)
+            return want
+        return current
