@@ -99,7 +99,7 @@ class BusyTime:
         while self._intervals and self._intervals[0][1] < lo:
             self._intervals.popleft()
         busy, cur_s, cur_e = 0.0, None, None
-        for s, e in sorted((max(s, lo), e) for s, e in self._intervals):
+        for s, e in sorted((max(s, lo), e) for s, e in self._intervals if e > lo):
             if cur_e is None or s > cur_e:
                 if cur_e is not None:
                     busy += cur_e - cur_s

@@ -77,6 +77,14 @@ def cmd_bench(args, rest: list[str]) -> int:
         from cluster.bench.tracing import main as tracing_main
 
         return tracing_main(rest)
+    if args.target == "autoscale":
+        if "--live" in rest:
+            from cluster.bench.autoscale import main as live_main
+
+            return live_main([a for a in rest if a != "--live"])
+        from loadgen.autoscale_bench import main as sim_main
+
+        return sim_main(rest)
     if args.target == "routing":
         from cluster.bench.routing import main as routing_main
 
@@ -100,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
-    b = sub.add_parser("bench", help="benchmarks: engine | serve | kv | cluster | routing | tracing", add_help=False)
-    b.add_argument("target", choices=["engine", "serve", "kv", "cluster", "routing", "tracing"])
+    b = sub.add_parser("bench", help="benchmarks: engine | serve | kv | cluster | routing | tracing | autoscale",
+                       add_help=False)
+    b.add_argument("target", choices=["engine", "serve", "kv", "cluster", "routing", "tracing", "autoscale"])
 
     sub.add_parser("plan", help="capacity planner (see `duet plan --help`)", add_help=False)
 

@@ -98,9 +98,13 @@ class ClusterConfig(Strict):
             return {"aggregated": self.aggregated}
         return {"prefill": self.prefill, "decode": self.decode}
 
-    def required_cpus(self) -> float:
-        """CPUs the Serve app reserves at its initial size."""
-        return self.gateway.num_cpus + sum(p.initial_replicas() * p.num_cpus for p in self.pools().values())
+    def required_cpus(self, at_most: bool = False) -> float:
+        """CPUs the Serve app reserves at its initial size (`at_most`: with every
+        autoscaled pool at its `max_replicas`)."""
+        def replicas(p: PoolConfig) -> int:
+            scaled = p.autoscaling is not None and p.autoscaling.policy != "fixed"
+            return p.autoscaling.max_replicas if at_most and scaled else p.initial_replicas()
+        return self.gateway.num_cpus + sum(replicas(p) * p.num_cpus for p in self.pools().values())
 
     def check_fits(self, available_cpus: float) -> None:
         """Serve hangs silently when replicas need more CPUs than exist: fail first."""
@@ -122,6 +126,16 @@ def _set_path(data: dict, dotted: str, value) -> None:
     cur[keys[-1]] = value
 
 
+def _resolve_profiles(data: dict, base: Path) -> None:
+    """A pool's `autoscaling.profile` in a config file is relative to that file."""
+    for pool in ("prefill", "decode", "aggregated"):
+        section = data.get(pool)
+        scaling = section.get("autoscaling") if isinstance(section, dict) else None
+        profile = scaling.get("profile") if isinstance(scaling, dict) else None
+        if isinstance(profile, str) and not Path(profile).is_absolute():
+            scaling["profile"] = str(base / profile)
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, object] | None = None) -> ClusterConfig:
     """YAML file (optional), then dotted overrides (``prefill.replicas: 2``)."""
     data: dict = {}
@@ -130,6 +144,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, object] | N
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(str(path), "the config file must be a mapping")
         data = loaded or {}
+        _resolve_profiles(data, Path(path).parent)
     for k, v in (overrides or {}).items():
         if v is not None:
             _set_path(data, k, v)

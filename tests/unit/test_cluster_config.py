@@ -43,7 +43,14 @@ def test_defaults_are_the_rooms_defaults():
         ({"gateway.port": 70000}, "gateway.port"),
         ({"telemetry.sample_ratio": 2}, "telemetry.sample_ratio"),
         ({"telemetry.exporter": "zipkin"}, "telemetry.exporter"),
-        ({"slo.ttft_ms": 1}, "slo"),
+        ({"slo.ttft_ms": 0}, "slo.ttft_ms"),
+        ({"slo.p99_ms": 1}, "slo.p99_ms"),
+        ({"budget.cpus": -1}, "budget.cpus"),
+        ({"prefill.autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "prefill.autoscaling"),
+        ({"prefill.autoscaling": {"policy": "vibes"}}, "prefill.autoscaling.policy"),
+        ({"decode.autoscaling": {"max_step": 0}}, "decode.autoscaling.max_step"),
+        ({"decode.autoscaling": {"profile": "/nonexistent.json"}}, "decode.autoscaling"),
+        ({"mode": "aggregated", "aggregated.autoscaling": {"policy": "goodput"}}, "config"),
     ],
 )
 def test_an_invalid_value_names_its_field(overrides, field):
@@ -69,3 +76,21 @@ def test_the_shipped_config_files_load():
 
     for path in sorted((Path(__file__).resolve().parents[2] / "deploy").glob("*.yaml")):
         load_config(path)
+
+
+def test_a_profile_path_in_a_config_file_is_relative_to_the_file(tmp_path):
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "p.json").write_text('{"prefill_model": {"b_ms_per_token": 2.0}}')
+    (tmp_path / "c.yaml").write_text("prefill:\n  autoscaling: {policy: goodput, profile: profiles/p.json}\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.prefill.autoscaling.load_profile().prefill_model.b_ms_per_token == 2.0
+
+
+def test_autoscaled_pools_start_within_their_bounds_and_reserve_their_maximum():
+    cfg = load_config(None, {"prefill.replicas": 5, "prefill.num_cpus": 1, "decode.num_cpus": 1, "gateway.num_cpus": 1,
+                             "prefill.autoscaling": {"policy": "goodput", "min_replicas": 1, "max_replicas": 3},
+                             "decode.autoscaling": {"policy": "fixed", "max_replicas": 4}})
+    assert cfg.prefill.initial_replicas() == 3 and cfg.decode.initial_replicas() == 1
+    assert cfg.required_cpus() == 1 + 3 + 1
+    assert cfg.required_cpus(at_most=True) == 1 + 3 + 1  # a fixed pool stays at `replicas`
+    assert set(cfg.scaled_pools("goodput")) == {"prefill"}

@@ -1,0 +1,76 @@
+"""The autoscaling signals replicas and the gateway compute (autoscaling/signals.py),
+on a fake clock."""
+
+import pytest
+
+from autoscaling import signals as sig
+from autoscaling.signals import BusyTime, GatewaySignals, PrefillSignals, ReplicaReport, Window
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_window_keeps_its_span_and_gives_quantiles_and_rates():
+    c = Clock()
+    w = Window(10.0, c)
+    for v in range(1, 11):
+        w.add(float(v))
+    assert w.quantile(0.9) == 9.0 and w.quantile(0.5) == 5.0
+    c.now += 5  # younger than its span: the rate is over the time since it started
+    assert w.rate() == pytest.approx(55 / 5)
+    c.now += 6  # every sample is now older than the span
+    assert w.quantile(0.9) is None and w.count() == 0 and w.rate() == 0.0
+
+
+def test_busy_time_counts_overlapping_intervals_once():
+    c = Clock()
+    b = BusyTime(10.0, c)
+    b.add(91.0, 93.0)
+    b.add(92.0, 95.0)  # overlaps the first
+    b.add(97.0, 98.0)
+    b.add(80.0, 85.0)  # before the window
+    assert b.seconds() == pytest.approx(4.0 + 1.0)
+
+
+def test_prefill_reports_queue_speed_and_latency():
+    c = Clock()
+    s = PrefillSignals(clock=c)
+    # Two 1,000-token prompts, the second with 400 cached, computed back to back over 2 s.
+    s.request(arrival=97.0, first_scheduled=98.0, first_token=99.0, finished=99.0, prompt_tokens=1000, cached_tokens=0)
+    s.request(arrival=97.5, first_scheduled=99.0, first_token=100.0, finished=100.0, prompt_tokens=1000,
+              cached_tokens=400)
+    r = s.report({"queued_prefill_tokens": 300, "num_waiting": 1, "num_running": 1})
+    assert r[sig.QUEUED_PROMPT_TOKENS] == 300 and r[sig.WAITING] == 1
+    assert r[sig.CAPACITY_TOKENS_PER_S] == pytest.approx(1600 / 2.0)
+    assert r[sig.QUEUE_WAIT_MS] == pytest.approx(1500.0)
+    assert r[sig.REPLICA_TTFT_MS] == pytest.approx(2500.0)
+
+
+def test_prefill_reports_no_speed_from_under_a_second_of_work():
+    s = PrefillSignals(clock=Clock())
+    s.request(99.5, 99.6, 99.9, 99.9, 100, 0)
+    assert s.report({"queued_prefill_tokens": 0, "num_waiting": 0, "num_running": 0})[sig.CAPACITY_TOKENS_PER_S] == 0
+
+
+def test_gateway_goodput_judges_both_slos_and_failures():
+    g = GatewaySignals(ttft_ms=1000, tpot_ms=100, clock=Clock())
+    assert g.report()[sig.GOODPUT] == -1.0 and g.goodput() is None  # no sample yet
+    g.finished(0.5, 0.05, ok=True)  # good
+    g.finished(1.5, 0.05, ok=True)  # TTFT missed
+    g.finished(0.5, 0.2, ok=True)  # TPOT missed
+    g.finished(0.5, None, ok=False)  # failed
+    assert g.goodput() == 0.25
+    r = g.report()
+    assert r[sig.FINISHED] == 4 and r[sig.GOODPUT] == 0.25 and r[sig.TTFT_MS] == pytest.approx(1500.0)
+
+
+def test_a_missing_or_negative_value_reads_as_no_sample():
+    r = ReplicaReport("x", 1.0, {sig.TTFT_MS: -1.0, sig.RUNNING: 3.0})
+    assert r.get(sig.TTFT_MS) is None and r.get(sig.WAITING) is None and r.get(sig.RUNNING) == 3.0

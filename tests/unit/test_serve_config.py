@@ -1,0 +1,83 @@
+"""The generated Serve config (cluster/serve_config.py) and the app-level policy
+that Serve's controller runs from it (cluster/autoscaler.py), with fake contexts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from autoscaling import signals as sig
+from cluster.autoscaler import GoodputAutoscaler
+from cluster.config import ClusterConfig, load_config
+from cluster.serve_config import IMPORT_PATH, POLICY_PATH, serve_config
+
+pytestmark = pytest.mark.unit
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def test_every_shipped_config_generates_a_valid_serve_config():
+    from ray.serve.schema import ServeDeploySchema
+
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        config = serve_config(load_config(path))
+        ServeDeploySchema.model_validate(config)
+        app = config["applications"][0]
+        assert app["import_path"] == IMPORT_PATH
+        assert ClusterConfig.model_validate(app["args"]["config"]).pools().keys() == load_config(path).pools().keys()
+
+
+def test_the_goodput_policy_travels_with_its_profile_numbers_not_the_file():
+    cfg = load_config(DEPLOY / "autoscaling.yaml")
+    app = serve_config(cfg)["applications"][0]
+    policy = app["autoscaling_policy"]
+    assert policy["policy_function"] == POLICY_PATH
+    prefill = policy["policy_kwargs"]["pools"]["prefill"]
+    assert prefill["profile"]["prefill_model"]["b_ms_per_token"] > 0
+    assert "profile" not in prefill["settings"]
+    assert app["args"]["config"]["prefill"]["autoscaling"]["profile"] is None  # the build task needs no file
+    assert policy["policy_kwargs"]["slo"] == cfg.slo.model_dump(mode="json")
+
+
+def test_without_a_goodput_pool_serve_decides_alone():
+    cfg = load_config(None, {"prefill.autoscaling": {"policy": "queue", "max_replicas": 2}})
+    assert "autoscaling_policy" not in serve_config(cfg)["applications"][0]
+
+
+@dataclass(frozen=True)
+class FakeReplicaID:
+    unique_id: str
+
+
+def _ctx(name: str, target: int, replicas: dict[str, dict[str, float]]):
+    rids = [FakeReplicaID(r) for r in replicas]
+    metrics: dict = {}
+    for rid in rids:
+        for k, v in replicas[rid.unique_id].items():
+            metrics.setdefault(k, {})[rid] = v
+    return SimpleNamespace(deployment_name=name, target_num_replicas=target, running_replicas=rids,
+                           aggregated_metrics=metrics)
+
+
+def test_the_serve_policy_reads_every_deployment_and_decides_the_goodput_pools():
+    cfg = load_config(None, {
+        "slo": {"ttft_ms": 1000, "tpot_ms": 100},
+        "prefill.autoscaling": {"policy": "goodput", "max_replicas": 4, "max_step": 4, "upscale_delay_s": 0, "warmup_s": 0,
+                                "profile": str(DEPLOY / "profiles" / "smollm2-135m-cpu.json")},
+        "decode.autoscaling": {"policy": "goodput", "max_replicas": 2, "warmup_s": 0},
+    })
+    kwargs = serve_config(cfg)["applications"][0]["autoscaling_policy"]["policy_kwargs"]
+    policy = GoodputAutoscaler(**kwargs)
+    contexts = {
+        "gw-id": _ctx("gateway", 1, {"g1": {sig.ARRIVAL_PROMPT_TOKENS_PER_S: 600.0, sig.ARRIVALS_PER_S: 1.0,
+                                            sig.FINISHED: 0.0}}),
+        "p-id": _ctx("prefill", 1, {"p1": {sig.QUEUED_PROMPT_TOKENS: 0.0, sig.WAITING: 0.0}}),
+        "d-id": _ctx("decode", 1, {"d1": {sig.RUNNING: 2.0, sig.KV_BLOCKS_USED: 10.0, sig.KV_BLOCKS_TOTAL: 100.0}}),
+    }
+    decisions, state = policy(contexts)
+    # 600 prompt tokens/s against ~282 per replica at 80%: three prefill replicas; decode stays.
+    assert decisions == {"p-id": 3, "d-id": 1}
+    assert state == {}
