@@ -28,6 +28,7 @@ KV_BLOCKS_USED = "kv_blocks_used"
 KV_BLOCKS_TOTAL = "kv_blocks_total"
 WAITING_IMPORTS = "waiting_imports"  # KV imports under way (requests about to join)
 REPLICA_TPOT_MS = "replica_tpot_ms"  # per output token, at the SLO quantile
+MEAN_BATCH = "mean_batch"  # sequences decoding at once, on average over the window (what that TPOT was measured at)
 # Gateway.
 ARRIVAL_PROMPT_TOKENS_PER_S = "arrival_prompt_tokens_per_s"
 ARRIVALS_PER_S = "arrivals_per_s"
@@ -154,11 +155,23 @@ class DecodeSignals:
 
     def __init__(self, quantile: float = 0.9, span_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
         self.quantile = quantile
+        self.span_s = span_s
+        self.clock = clock
         self.tpot = Window(span_s, clock)
+        self.decoding = Window(span_s, clock)  # seconds each finished request spent decoding
+        self.started = clock()
 
     def request(self, first_scheduled: float | None, finished: float, output_tokens: int) -> None:
         if first_scheduled is not None and output_tokens > 1:
             self.tpot.add((finished - first_scheduled) / (output_tokens - 1), finished)
+            self.decoding.add(finished - first_scheduled, finished)
+
+    def mean_batch(self) -> float | None:
+        """Little's law over the window: sequence-seconds of decoding per second."""
+        seconds = self.decoding.values()
+        if not seconds:
+            return None
+        return sum(seconds) / min(self.span_s, max(self.clock() - self.started, 1e-9))
 
     def report(self, engine_stats: Mapping, waiting_imports: int) -> dict[str, float]:
         total = float(engine_stats["kv_blocks_total"])
@@ -169,6 +182,7 @@ class DecodeSignals:
             KV_BLOCKS_TOTAL: total,
             WAITING_IMPORTS: float(waiting_imports),
             REPLICA_TPOT_MS: _ms(self.tpot.quantile(self.quantile)),
+            MEAN_BATCH: -1.0 if (b := self.mean_batch()) is None else b,
         }
 
 

@@ -18,6 +18,9 @@ from loadgen.distributions import parse_length
 DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "deploy" / "profiles" / "smollm2-135m-cpu.json"
 
 
+PLOTTED = ("fixed", "queue-2", "queue-8", "goodput")
+
+
 def traces(rate: float, burst: float = 5.0) -> dict[str, tuple]:
     """name -> (rate(t), duration_s, burst window or None)."""
     step = (120.0, 300.0)
@@ -67,7 +70,9 @@ def run(args) -> dict:
                                  parse_length(args.output_len), cold_start_s=args.cold_start_s, budget=budget, seed=seed)
                 runs.append(sim.run(pol, rate, duration))
             rows.append(_median_row([r.summary(slo, burst) for r in runs]))
-            timelines[pol.name] = runs[0].timeline
+            if pol.name in PLOTTED:  # the first seed's, for the plots
+                timelines[pol.name] = [{k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
+                                       for row in runs[0].timeline]
         out["traces"][name] = {"duration_s": duration, "burst": burst, "results": rows, "timelines": timelines}
     return out
 
@@ -100,7 +105,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict, out_dir: Path, policies: tuple[str, ...] = ("fixed", "queue-2", "queue-8", "goodput")) -> list[Path]:
+def plot(result: dict, out_dir: Path, policies: tuple[str, ...] = PLOTTED) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sim.json").write_text(json.dumps(result, indent=1, default=float))
     for path in plot(result, out):
         print(f"wrote {path}")
+    for tr in result["traces"].values():  # the JSON keeps every 5th second of the timelines
+        tr["timelines"] = {k: v[::5] for k, v in tr["timelines"].items()}
+    (out / "sim.json").write_text(json.dumps(result, default=float))
     print(f"wrote {out / 'sim.json'}")
     return 0

@@ -4,7 +4,7 @@ on a fake clock."""
 import pytest
 
 from autoscaling import signals as sig
-from autoscaling.signals import BusyTime, GatewaySignals, PrefillSignals, ReplicaReport, Window
+from autoscaling.signals import BusyTime, DecodeSignals, GatewaySignals, PrefillSignals, ReplicaReport, Window
 
 pytestmark = pytest.mark.unit
 
@@ -74,3 +74,15 @@ def test_gateway_goodput_judges_both_slos_and_failures():
 def test_a_missing_or_negative_value_reads_as_no_sample():
     r = ReplicaReport("x", 1.0, {sig.TTFT_MS: -1.0, sig.RUNNING: 3.0})
     assert r.get(sig.TTFT_MS) is None and r.get(sig.WAITING) is None and r.get(sig.RUNNING) == 3.0
+
+
+def test_decode_reports_the_mean_batch_its_tpot_was_measured_at():
+    c = Clock()
+    s = DecodeSignals(span_s=10.0, clock=c)
+    c.now += 10
+    for _ in range(3):  # three sequences, each decoding for the last 8 s: a batch of 2.4
+        s.request(first_scheduled=c.now - 8, finished=c.now, output_tokens=81)
+    r = s.report({"num_running": 0, "num_waiting": 0, "kv_blocks_total": 10, "kv_blocks_free": 10}, waiting_imports=0)
+    assert r[sig.MEAN_BATCH] == pytest.approx(2.4)
+    assert r[sig.REPLICA_TPOT_MS] == pytest.approx(100.0)
+    assert r[sig.KV_BLOCKS_USED] == 0

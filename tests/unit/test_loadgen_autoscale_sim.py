@@ -1,0 +1,54 @@
+"""The autoscaling simulator (loadgen/autoscale_sim.py): its cluster model, and the
+policies it replays, on a short step trace."""
+
+import pytest
+
+from autoscaling.config import CapacityProfile, DecodeProfile, PoolAutoscaling, PrefillProfile, SLOConfig
+from loadgen.autoscale_sim import ClusterSim, SimPolicy
+from loadgen.distributions import parse_length
+
+pytestmark = pytest.mark.unit
+
+# 1 s per 500-token prompt: one replica serves 1 req/s; decode steps 20 ms + 1 ms per sequence.
+PROFILE = CapacityProfile(prefill_model=PrefillProfile(a_ms=0, b_ms_per_token=2.0),
+                          decode_model=DecodeProfile(c_ms=20, d_ms_per_seq=1.0))
+SLO = SLOConfig(ttft_ms=3000, tpot_ms=100)
+
+
+def sim(**pool) -> ClusterSim:
+    s = PoolAutoscaling(**{"min_replicas": 1, "max_replicas": 6, "max_step": 2, "upscale_delay_s": 2,
+                           "downscale_delay_s": 10, "warmup_s": 2, **pool})
+    return ClusterSim(PROFILE, SLO, {"prefill": s, "decode": s}, {"prefill": 1, "decode": 1},
+                      parse_length("fixed:500"), parse_length("fixed:20"), cold_start_s=5.0, seed=0)
+
+
+def step(t: float) -> float:
+    return 2.5 if 30 <= t < 90 else 0.3  # the burst needs three prefill replicas
+
+
+def test_fixed_at_quiet_load_meets_the_slo():
+    run = sim().run(SimPolicy("fixed", "fixed"), lambda t: 0.3, 60)
+    summary = run.summary(SLO)
+    assert summary["goodput_ratio"] > 0.9 and summary["scaling_actions"] == 0
+    assert summary["replica_seconds"] == pytest.approx(120, abs=0.5)
+
+
+def test_goodput_scales_prefill_for_a_burst_and_back():
+    run = sim().run(SimPolicy("goodput", "goodput"), step, 180)
+    peak = max(r["prefill_replicas"] for r in run.timeline if 30 <= r["t"] < 90)
+    assert peak >= 3
+    assert run.timeline[-1]["prefill_replicas"] == 1
+    fixed = sim().run(SimPolicy("fixed", "fixed"), step, 180)
+    assert run.summary(SLO)["goodput_ratio"] > fixed.summary(SLO)["goodput_ratio"] + 0.3
+
+
+def test_the_queue_rule_follows_ongoing_requests_with_its_delays():
+    run = sim().run(SimPolicy("queue-1", "queue", 1.0), step, 180)
+    assert max(r["prefill_replicas"] for r in run.timeline) > 1
+    assert run.actions > 0
+
+
+def test_a_run_is_reproducible():
+    a = sim().run(SimPolicy("goodput", "goodput"), step, 120).summary(SLO)
+    b = sim().run(SimPolicy("goodput", "goodput"), step, 120).summary(SLO)
+    assert a == b
