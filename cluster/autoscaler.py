@@ -55,6 +55,8 @@ class GoodputAutoscaler:
         by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
         gateway = self._gateway_view(by_name.get(GATEWAY, (None, None))[1])
         states = {name: self._pool_state(ctx, now) for name, (_, ctx) in by_name.items() if name in self.policy.pools}
+        running = {r.replica_id for st in states.values() for r in st.replicas}
+        self._first_seen = {k: v for k, v in self._first_seen.items() if k in running}  # replicas gone
         decisions = self.policy.decide(now, states, gateway)
         out = {by_name[name][0]: d.desired for name, d in decisions.items()}
         for name in self.queue_pools & by_name.keys():

@@ -72,7 +72,7 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
                      runtime_env={"env_vars": REPLICA_ENV})
     cfg.check_fits(ray.cluster_resources().get("CPU", 0))
     serve.start(http_options={"host": cfg.gateway.host, "port": cfg.gateway.port})
-    deploy(cfg)  # the generated Serve config (cluster/serve_config.py), as a RayService would
+    deploy(cfg, ready_timeout)  # the generated Serve config (cluster/serve_config.py), as a RayService would
     url = f"http://{'127.0.0.1' if cfg.gateway.host == '0.0.0.0' else cfg.gateway.host}:{cfg.gateway.port}"
     wait_ready(url, ready_timeout)
     return url

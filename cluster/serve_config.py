@@ -80,14 +80,29 @@ def _portable(cfg: ClusterConfig) -> dict:
     return data
 
 
-def deploy(cfg: ClusterConfig) -> dict:
+def deploy(cfg: ClusterConfig, timeout_s: float = 300.0) -> dict:
     """Apply `cfg`'s Serve config to the running Serve instance (as `serve deploy`
-    would, without the dashboard); returns the config applied."""
-    from ray.serve._private.api import serve_start  # noqa: F401  (Serve must be started first)
+    would, without the dashboard) and wait until the app runs it: the old replicas
+    replaced, or the deploy failed (raised with Serve's message). Returns the config."""
+    import time
+
+    from ray import serve
     from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
+    from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 
     env = {KEYS_ENV: os.environ[KEYS_ENV]} if os.environ.get(KEYS_ENV) else None
     config = serve_config(cfg, env)
+    # The controller marks the app DEPLOYING before this returns: RUNNING after it
+    # means the new config's replicas, not the old ones.
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
-    return config
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(APP_NAME)
+        if app is not None and app.status == ApplicationStatus.RUNNING:
+            return config
+        if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
+            raise RuntimeError(f"Serve could not deploy {APP_NAME}: {app.status.value}: {app.message}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{APP_NAME} was not running {timeout_s:.0f} s after deploy "
+                               f"({app.status.value if app else 'absent'})")
+        time.sleep(0.5)

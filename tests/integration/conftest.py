@@ -67,7 +67,7 @@ class _Deployer:
         from cluster.serve_config import deploy
 
         self.current = None
-        deploy(cfg)  # the generated Serve config, as `duet serve` deploys it
+        deploy(cfg, timeout_s=300)  # the generated Serve config, as `duet serve` deploys it
         url = f"http://127.0.0.1:{PORT}"
         wait_ready(url, timeout=240)
         self.current = Duet(name, cfg, url)
