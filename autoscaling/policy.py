@@ -223,11 +223,11 @@ class GoodputPolicy:
         return _Need(max(by_kv, by_batch), "kv" if by_kv > by_batch else "batch", detail, fixable)
 
     def _refine_step_scale(self, name, model, warm) -> float:
-        """How much slower (>1) or faster the warm replicas step than the profile says,
-        each TPOT compared with the model at the batch it was measured at."""
+        """How much slower (>1) or faster the warm replicas step than the profile says:
+        each one's mean TPOT against the model at the mean batch it was measured at."""
         ratios = sorted(
             t / (model.c_ms + model.d_ms_per_seq * max(1.0, b))
-            for r in warm if (t := r.get(sig.REPLICA_TPOT_MS)) and (b := r.get(sig.MEAN_BATCH)) is not None
+            for r in warm if (t := r.get(sig.MEAN_TPOT_MS)) and (b := r.get(sig.MEAN_BATCH)) is not None
         )
         scale = self._step_scale.get(name, 1.0)
         if ratios:

@@ -28,6 +28,7 @@ KV_BLOCKS_USED = "kv_blocks_used"
 KV_BLOCKS_TOTAL = "kv_blocks_total"
 WAITING_IMPORTS = "waiting_imports"  # KV imports under way (requests about to join)
 REPLICA_TPOT_MS = "replica_tpot_ms"  # per output token, at the SLO quantile
+MEAN_TPOT_MS = "mean_tpot_ms"  # per output token, the mean (what a step-time model predicts)
 MEAN_BATCH = "mean_batch"  # sequences decoding at once, on average over the window (what that TPOT was measured at)
 # Gateway.
 ARRIVAL_PROMPT_TOKENS_PER_S = "arrival_prompt_tokens_per_s"
@@ -182,6 +183,7 @@ class DecodeSignals:
             KV_BLOCKS_TOTAL: total,
             WAITING_IMPORTS: float(waiting_imports),
             REPLICA_TPOT_MS: _ms(self.tpot.quantile(self.quantile)),
+            MEAN_TPOT_MS: _ms(sum(t) / len(t) if (t := self.tpot.values()) else None),
             MEAN_BATCH: -1.0 if (b := self.mean_batch()) is None else b,
         }
 

@@ -184,7 +184,7 @@ def test_measured_decode_steps_refine_the_batch_that_fits_the_tpot():
     p = policy()
     # The replica steps twice as slowly as the profile says at the batch it measured at
     # (20 + 2 x 10 = 40 ms modelled, 80 ms measured): 80 ms holds (80/2 - 20) / 2 = 10.
-    slow = {sig.REPLICA_TPOT_MS: 80.0, sig.MEAN_BATCH: 10.0}
+    slow = {sig.MEAN_TPOT_MS: 80.0, sig.MEAN_BATCH: 10.0}
     for t in range(30):
         d = p.decide(t, {"prefill": prefill_pool(1), "decode": decode_pool(1, seqs=25, **slow)}, gateway(tpot=60))
     assert d["decode"].desired == 3  # 25 / 10 (30 per replica by the profile alone: 1)

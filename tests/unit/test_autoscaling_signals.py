@@ -84,5 +84,5 @@ def test_decode_reports_the_mean_batch_its_tpot_was_measured_at():
         s.request(first_scheduled=c.now - 8, finished=c.now, output_tokens=81)
     r = s.report({"num_running": 0, "num_waiting": 0, "kv_blocks_total": 10, "kv_blocks_free": 10}, waiting_imports=0)
     assert r[sig.MEAN_BATCH] == pytest.approx(2.4)
-    assert r[sig.REPLICA_TPOT_MS] == pytest.approx(100.0)
+    assert r[sig.REPLICA_TPOT_MS] == pytest.approx(100.0) and r[sig.MEAN_TPOT_MS] == pytest.approx(100.0)
     assert r[sig.KV_BLOCKS_USED] == 0
