@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from autoscaling.signals import DecodeSignals
@@ -86,6 +86,24 @@ class HeldBlocks:
             "import_blocks_held": sum(len(b) for _, (b, _) in items),
             "import_held_oldest": [(rid, round(now - t, 1)) for rid, (_, t) in items[:4]],
         }
+
+
+async def reserve_when_free(
+    reserve: Callable[[], Awaitable[list[int] | None]], could_fit: bool, wait_s: float,
+    first_delay_s: float = 0.01, max_delay_s: float = 0.2,
+) -> list[int] | None:
+    """Blocks for an import. A full pool that could hold the prompt frees blocks as
+    running sequences finish: wait for them (backing off) for up to `wait_s`, rather
+    than fail a request a burst's backlog flushed in at once. One that could never
+    hold it (or no time left) is refused at once. None: no blocks."""
+    deadline = time.monotonic() + wait_s
+    delay = first_delay_s
+    while True:
+        blocks = await reserve()
+        if blocks is not None or not could_fit or time.monotonic() + delay > deadline:
+            return blocks
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, max_delay_s)
 
 
 def _result(reason: str) -> str:
@@ -165,8 +183,12 @@ class DecodeServer:
         timeout = self.transfer.timeout_s
         blocks = None
         try:
-            check_handle(self.backend, h)  # before reserving anything
-            blocks = await self.aengine.call(lambda: eng.reserve_import(h.num_tokens))
+            lease_left = check_handle(self.backend, h)  # before reserving anything
+            blocks = await reserve_when_free(
+                lambda: self.aengine.call(lambda: eng.reserve_import(h.num_tokens)),
+                could_fit=eng.kv_manager.blocks_needed(h.num_tokens) <= eng.block_pool.num_blocks,
+                wait_s=lease_left - timeout,  # the pull itself must still fit in the lease
+            )
             if blocks is None:
                 reason, detail = RejectReason.NO_FREE_BLOCKS, "decode replica has no free KV blocks"
             else:
