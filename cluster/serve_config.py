@@ -38,13 +38,14 @@ def serve_config(cfg: ClusterConfig, env: dict[str, str] | None = None) -> dict:
         "import_path": IMPORT_PATH,
         "args": {"config": _portable(cfg)},
         "runtime_env": {"env_vars": {**REPLICA_ENV, **(env or {})}},
+        # Replicas log warnings and errors, not every call (access logs cost CPU at load).
+        "logging_config": {"log_level": "WARNING", "enable_access_log": False},
     }
     policy = autoscaling_policy(cfg)
     if policy is not None:
         app["autoscaling_policy"] = policy
     return {
         "http_options": {"host": cfg.gateway.host, "port": cfg.gateway.port},
-        "logging_config": {"log_level": "WARNING", "enable_access_log": False},
         "applications": [app],
     }
 
