@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autoscaling import signals as sig
 from autoscaling.config import BudgetConfig, CapacityProfile, PoolAutoscaling, SLOConfig
 from autoscaling.policy import GoodputPolicy, PoolPolicy, PoolState
 from autoscaling.signals import DecodeSignals, GatewaySignals, PrefillSignals, ReplicaReport
