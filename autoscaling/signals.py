@@ -45,21 +45,26 @@ RATE_WINDOW_S = 5.0
 
 
 class Window:
-    """Timestamped samples kept for `span_s`: quantiles, sums and rates of what is left."""
+    """Timestamped samples kept for `span_s`: quantiles, sums and rates of what is left.
+    The sum is kept as samples come and go: a request's end costs O(1), not O(window)."""
 
     def __init__(self, span_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.span_s = span_s
         self.clock = clock
         self.started = clock()
         self._samples: deque[tuple[float, float]] = deque()
+        self._sum = 0.0
 
     def add(self, value: float, at: float | None = None) -> None:
         self._samples.append((self.clock() if at is None else at, value))
+        self._sum += value
 
     def _prune(self) -> float:
         now = self.clock()
         while self._samples and self._samples[0][0] < now - self.span_s:
-            self._samples.popleft()
+            self._sum -= self._samples.popleft()[1]
+        if not self._samples:
+            self._sum = 0.0  # no float drift survives an empty window
         return now
 
     def values(self) -> list[float]:
@@ -67,7 +72,16 @@ class Window:
         return [v for _, v in self._samples]
 
     def count(self) -> int:
-        return len(self.values())
+        self._prune()
+        return len(self._samples)
+
+    def total(self) -> float:
+        self._prune()
+        return self._sum
+
+    def mean(self) -> float | None:
+        n = self.count()
+        return self._sum / n if n else None
 
     def quantile(self, q: float) -> float | None:
         """The `q` quantile (nearest rank), None without samples."""
@@ -80,7 +94,7 @@ class Window:
         """Sum per second over the window (over the time since start while younger)."""
         now = self._prune()
         span = min(self.span_s, max(now - self.started, 1e-9))
-        return sum(v for _, v in self._samples) / span
+        return self._sum / span
 
 
 class BusyTime:
@@ -137,7 +151,7 @@ class PrefillSignals:
 
     def report(self, engine_stats: Mapping) -> dict[str, float]:
         busy = self.busy.seconds()
-        computed = sum(self.computed.values())
+        computed = self.computed.total()
         # Under a second of work says little about speed: report "not measured".
         capacity = computed / busy if busy >= 1.0 and computed > 0 else 0.0
         return {
@@ -169,10 +183,9 @@ class DecodeSignals:
 
     def mean_batch(self) -> float | None:
         """Little's law over the window: sequence-seconds of decoding per second."""
-        seconds = self.decoding.values()
-        if not seconds:
+        if not self.decoding.count():
             return None
-        return sum(seconds) / min(self.span_s, max(self.clock() - self.started, 1e-9))
+        return self.decoding.total() / min(self.span_s, max(self.clock() - self.started, 1e-9))
 
     def report(self, engine_stats: Mapping, waiting_imports: int) -> dict[str, float]:
         total = float(engine_stats["kv_blocks_total"])
@@ -183,7 +196,7 @@ class DecodeSignals:
             KV_BLOCKS_TOTAL: total,
             WAITING_IMPORTS: float(waiting_imports),
             REPLICA_TPOT_MS: _ms(self.tpot.quantile(self.quantile)),
-            MEAN_TPOT_MS: _ms(sum(t) / len(t) if (t := self.tpot.values()) else None),
+            MEAN_TPOT_MS: _ms(self.tpot.mean()),
             MEAN_BATCH: -1.0 if (b := self.mean_batch()) is None else b,
         }
 
@@ -222,8 +235,7 @@ class GatewaySignals:
         self.good.add(1.0 if good else 0.0)
 
     def goodput(self) -> float | None:
-        vals = self.good.values()
-        return sum(vals) / len(vals) if vals else None
+        return self.good.mean()
 
     def report(self) -> dict[str, float]:
         goodput = self.goodput()
