@@ -37,9 +37,9 @@ def _options(name: str, pool: PoolConfig, drain_at_least_s: float = 0.0) -> dict
     if pool.num_gpus:
         opts["ray_actor_options"]["num_gpus"] = pool.num_gpus
     a = pool.autoscaling
-    if a is None or a.policy == "fixed":
+    if pool.scaling == "fixed":
         opts["num_replicas"] = pool.replicas
-    elif a.policy == "queue":
+    elif pool.scaling == "queue":
         opts["autoscaling_config"] = AutoscalingConfig(
             min_replicas=a.min_replicas,
             initial_replicas=pool.initial_replicas(),

@@ -46,10 +46,15 @@ class PoolConfig(Strict):
     # serving what it has (streams; a prefill replica's leases) this long at most.
     drain_timeout_s: float = Field(60.0, ge=0)
 
+    @property
+    def scaling(self) -> str:
+        """Who sizes the pool: `goodput`, `queue`, or `fixed` (also without `autoscaling:`)."""
+        return "fixed" if self.autoscaling is None else self.autoscaling.policy
+
     def initial_replicas(self) -> int:
         """Replicas at deploy time: `replicas`, within the autoscaling bounds."""
         a = self.autoscaling
-        if a is None or a.policy == "fixed":
+        if self.scaling == "fixed":
             return self.replicas
         return max(a.min_replicas, min(self.replicas, a.max_replicas))
 
@@ -76,8 +81,7 @@ class ClusterConfig(Strict):
             check_chunk_size(self.cache.chunk_size, self.engine.block_size)
         except ValueError as e:
             raise ValueError(f"cache.chunk_size: {e}") from None
-        a = self.aggregated.autoscaling
-        if self.mode == "aggregated" and a is not None and a.policy == "goodput":
+        if self.mode == "aggregated" and self.aggregated.scaling == "goodput":
             # One pool doing both phases has no prefill or decode signals of its own.
             raise ValueError("aggregated.autoscaling.policy: goodput scales a prefill and a decode pool; "
                              "use queue or fixed in aggregated mode")
@@ -85,7 +89,7 @@ class ClusterConfig(Strict):
 
     def scaled_pools(self, policy: str) -> dict[str, PoolConfig]:
         """The pools whose `autoscaling.policy` is `policy`."""
-        return {n: p for n, p in self.pools().items() if p.autoscaling is not None and p.autoscaling.policy == policy}
+        return {n: p for n, p in self.pools().items() if p.scaling == policy}
 
     def pool_engine(self, pool: PoolConfig) -> EngineConfig:
         """The engine settings of one pool's replicas (its own KV pool size, if set)."""
@@ -102,8 +106,7 @@ class ClusterConfig(Strict):
         """CPUs the Serve app reserves at its initial size (`at_most`: with every
         autoscaled pool at its `max_replicas`)."""
         def replicas(p: PoolConfig) -> int:
-            scaled = p.autoscaling is not None and p.autoscaling.policy != "fixed"
-            return p.autoscaling.max_replicas if at_most and scaled else p.initial_replicas()
+            return p.autoscaling.max_replicas if at_most and p.scaling != "fixed" else p.initial_replicas()
         return self.gateway.num_cpus + sum(replicas(p) * p.num_cpus for p in self.pools().values())
 
     def check_fits(self, available_cpus: float) -> None:

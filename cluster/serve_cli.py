@@ -80,7 +80,7 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
 
 def _scaling(pool) -> str:
     a = pool.autoscaling
-    if a is None or a.policy == "fixed":
+    if pool.scaling == "fixed":
         return ""
     return f" ({a.policy} {a.min_replicas}-{a.max_replicas})"
 

@@ -57,9 +57,9 @@ def autoscaling_policy(cfg: ClusterConfig) -> dict | None:
         return None
     pools = {}
     for name, pool in cfg.pools().items():
-        a = pool.autoscaling
-        if a is None or a.policy == "fixed":
+        if pool.scaling == "fixed":
             continue
+        a = pool.autoscaling
         pools[name] = {
             "role": name,
             "settings": a.model_dump(mode="json", exclude={"profile"}),
