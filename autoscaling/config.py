@@ -92,7 +92,9 @@ class PoolAutoscaling(Strict):
     warmup_s: float = Field(10.0, ge=0)
     # The load a replica is planned for, as a fraction of its capacity.
     target_utilization: float = Field(0.8, gt=0, le=1)
-    profile: str | None = None
+    # What `duet plan` fitted: its JSON file, or the numbers inline (what a Helm values
+    # file or the generated Serve config carries: the controller may not see the file).
+    profile: str | CapacityProfile | None = None
     # How often the pool's replicas report their signals to the Serve controller.
     signal_interval_s: float = Field(2.0, gt=0)
     # The `queue` policy's target.
@@ -102,9 +104,11 @@ class PoolAutoscaling(Strict):
     def _bounds(self):
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
-        if self.profile is not None and not Path(self.profile).is_file():
+        if isinstance(self.profile, str) and not Path(self.profile).is_file():
             raise ValueError(f"profile {self.profile!r} is not a file")
         return self
 
     def load_profile(self) -> CapacityProfile:
+        if isinstance(self.profile, CapacityProfile):
+            return self.profile
         return CapacityProfile.load(self.profile) if self.profile else CapacityProfile()

@@ -9,6 +9,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from cluster.config import ClusterConfig, PoolConfig
+from cluster.pools import node_group_resource
 from decode.aggregated import AggregatedServer
 from decode.server import DecodeServer
 from engine.engine import expected_model_fingerprint
@@ -36,6 +37,8 @@ def _options(name: str, pool: PoolConfig, drain_at_least_s: float = 0.0) -> dict
     }
     if pool.num_gpus:
         opts["ray_actor_options"]["num_gpus"] = pool.num_gpus
+    if pool.resources():
+        opts["ray_actor_options"]["resources"] = pool.resources()
     a = pool.autoscaling
     if pool.scaling == "fixed":
         opts["num_replicas"] = pool.replicas
@@ -111,6 +114,8 @@ def build_app(cfg: ClusterConfig):
         "graceful_shutdown_wait_loop_s": 0.5,
         "graceful_shutdown_timeout_s": cfg.gateway.drain_timeout_s,
     }
+    if cfg.gateway.node_group:
+        gateway_opts["ray_actor_options"]["resources"] = {node_group_resource(cfg.gateway.node_group): 1}
     goodput = cfg.scaled_pools("goodput")
     if goodput:  # the policy reads the gateway's latencies: one replica, reporting
         interval = min(p.autoscaling.signal_interval_s for p in goodput.values())

@@ -1,7 +1,7 @@
 """The goodput policy inside Ray Serve: an application-level autoscaling policy.
 
 Serve's controller calls `GoodputAutoscaler` (configured from the generated Serve
-config's `autoscaling_policy.policy_kwargs`) on every control-loop tick with the
+config's `autoscaling_policy.policy_kwargs`: the cluster config) on every control-loop tick with the
 autoscaling context of each deployment of the app: replicas running and asked for,
 and what each replica's `record_autoscaling_stats()` last reported. It turns those
 into the pure policy's view (autoscaling/policy.py), returns each pool's replica
@@ -16,9 +16,10 @@ import time
 from collections.abc import Mapping
 
 from autoscaling import signals as sig
-from autoscaling.config import BudgetConfig, CapacityProfile, PoolAutoscaling, SLOConfig
+from autoscaling.config import BudgetConfig, SLOConfig
 from autoscaling.policy import GoodputPolicy, PoolPolicy, PoolState
 from autoscaling.signals import ReplicaReport
+from cluster.pools import POOLS_BY_MODE, PoolConfig
 from telemetry import metrics
 
 # The controller's own logger: decisions land in its log (logs/serve/controller_*.log).
@@ -27,25 +28,24 @@ log = logging.getLogger("ray.serve")
 GATEWAY = "gateway"
 
 
-def policy_kwargs(pools: Mapping[str, dict], slo: dict, budget: dict) -> dict:
-    """The JSON the Serve config carries to `GoodputAutoscaler`: per pool its role,
-    settings, capacity profile (the numbers, not the file) and cost per replica."""
-    return {"pools": dict(pools), "slo": slo, "budget": budget}
-
-
 class GoodputAutoscaler:
-    """Serve's application-level policy: `__call__(contexts) -> (replicas, state)`."""
+    """Serve's application-level policy: `__call__(contexts) -> (replicas, state)`.
 
-    def __init__(self, pools: dict, slo: dict, budget: dict) -> None:
+    `config` is the cluster config as the Serve config carries it (profiles inline).
+    Only the pools, `slo:` and `budget:` are read, with their own models: the
+    controller does not import the engine (torch) for the rest."""
+
+    def __init__(self, config: dict) -> None:
         goodput, self.queue_pools = {}, set()
-        for name, p in pools.items():
-            settings = PoolAutoscaling.model_validate(p["settings"])
-            if settings.policy == "queue":
+        for name in POOLS_BY_MODE[config.get("mode", "disaggregated")]:
+            pool = PoolConfig.model_validate(config.get(name) or {})
+            if pool.scaling == "queue":
                 self.queue_pools.add(name)
-            elif settings.policy == "goodput":
-                goodput[name] = PoolPolicy(p["role"], settings, CapacityProfile.model_validate(p.get("profile") or {}),
-                                           p.get("cpus_per_replica", 0.0), p.get("gpus_per_replica", 0.0))
-        self.policy = GoodputPolicy(goodput, SLOConfig.model_validate(slo), BudgetConfig.model_validate(budget))
+            elif pool.scaling == "goodput":
+                a = pool.autoscaling
+                goodput[name] = PoolPolicy(name, a, a.load_profile(), pool.num_cpus, pool.num_gpus)
+        slo, budget = SLOConfig.model_validate(config.get("slo") or {}), BudgetConfig.model_validate(config.get("budget") or {})
+        self.policy = GoodputPolicy(goodput, slo, budget)
         self._first_seen: dict[str, float] = {}
         self._recorder: metrics.Recorder | None = None
         self._last_reasons: dict[str, tuple[int, str]] = {}

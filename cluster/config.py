@@ -3,9 +3,8 @@
 Every section is the model of the room that reads it (`engine:` engine/config.py,
 `transfer:` kvtransfer/config.py, `router:` routing/router/policy.py, `cache:`
 prefill/kv_tier/config.py, `gateway:` routing/openai/config.py, `telemetry:`
-telemetry/config.py); only the pools'
-sizing is defined here. This module adds the checks that span rooms and is where
-YAML and flags enter. Every error names its field (e.g. ``prefill.num_cpus``).
+telemetry/config.py); the pools' sizing and placement is cluster/pools.py. This
+module adds the checks that span rooms and is where YAML and flags enter. Every error names its field (e.g. ``prefill.num_cpus``).
 """
 
 from __future__ import annotations
@@ -14,9 +13,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from autoscaling.config import BudgetConfig, PoolAutoscaling, SLOConfig
+from autoscaling.config import BudgetConfig, SLOConfig
+from cluster.pools import POOLS_BY_MODE, PoolConfig
 from engine.config import ConfigError, EngineConfig
 from engine.external_kv import check_chunk_size
 from kvtransfer.config import TransferConfig
@@ -28,35 +28,6 @@ from telemetry.config import TelemetryConfig
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class PoolConfig(Strict):
-    """How one pool is sized and placed: replicas, CPUs and threads per replica, and
-    how it scales (`autoscaling:` absent means `policy: fixed` at `replicas`)."""
-
-    replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(0.5, gt=0)
-    num_gpus: float = Field(0.0, ge=0)
-    threads: int = Field(1, ge=1)
-    max_ongoing_requests: int = Field(64, ge=1)
-    autoscaling: PoolAutoscaling | None = None
-    # Overrides engine.num_kv_blocks for this pool only (e.g. a small decode pool).
-    num_kv_blocks: int | None = Field(None, ge=2)
-    # A replica being stopped (scale-down, rolling update) gets no new work and keeps
-    # serving what it has (streams; a prefill replica's leases) this long at most.
-    drain_timeout_s: float = Field(60.0, ge=0)
-
-    @property
-    def scaling(self) -> str:
-        """Who sizes the pool: `goodput`, `queue`, or `fixed` (also without `autoscaling:`)."""
-        return "fixed" if self.autoscaling is None else self.autoscaling.policy
-
-    def initial_replicas(self) -> int:
-        """Replicas at deploy time: `replicas`, within the autoscaling bounds."""
-        a = self.autoscaling
-        if self.scaling == "fixed":
-            return self.replicas
-        return max(a.min_replicas, min(self.replicas, a.max_replicas))
 
 
 class ClusterConfig(Strict):
@@ -98,9 +69,7 @@ class ClusterConfig(Strict):
         return self.engine.replace(num_kv_blocks=pool.num_kv_blocks)
 
     def pools(self) -> dict[str, PoolConfig]:
-        if self.mode == "aggregated":
-            return {"aggregated": self.aggregated}
-        return {"prefill": self.prefill, "decode": self.decode}
+        return {name: getattr(self, name) for name in POOLS_BY_MODE[self.mode]}
 
     def required_cpus(self, at_most: bool = False) -> float:
         """CPUs the Serve app reserves at its initial size (`at_most`: with every

@@ -4,8 +4,8 @@ One file describes the whole app the way Ray Serve's declarative API (and a Kube
 `RayService`'s `serveConfigV2`) takes it: the app is built by `build` from the
 cluster config carried in `args`, and when a pool uses the goodput policy the app
 gets the application-level `autoscaling_policy` (cluster/autoscaler.py) with the
-policy's settings and capacity profiles inlined (the Serve controller may run on a
-node that has no profile file). `duet serve` deploys exactly this.
+same config as its kwargs. Capacity profiles are inlined as numbers: the Serve
+controller and the replicas may run on nodes that have no profile file. `duet serve` deploys exactly this.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 
 from cluster.app import REPLICA_ENV, build_app
-from cluster.autoscaler import policy_kwargs
 from cluster.config import ClusterConfig
 from cluster.serve_cli import APP_NAME
 from routing.openai.access import KEYS_ENV
@@ -36,7 +35,7 @@ def serve_config(cfg: ClusterConfig, env: dict[str, str] | None = None) -> dict:
         "name": APP_NAME,
         "route_prefix": "/",
         "import_path": IMPORT_PATH,
-        "args": {"config": _portable(cfg)},
+        "args": {"config": portable_config(cfg)},
         "runtime_env": {"env_vars": {**REPLICA_ENV, **(env or {})}},
         # Replicas log warnings and errors, not every call (access logs cost CPU at load).
         "logging_config": {"log_level": "WARNING", "enable_access_log": False},
@@ -55,30 +54,18 @@ def autoscaling_policy(cfg: ClusterConfig) -> dict | None:
     pools' own Serve settings decide)."""
     if not cfg.scaled_pools("goodput"):
         return None
-    pools = {}
+    return {"policy_function": POLICY_PATH, "policy_kwargs": {"config": portable_config(cfg)}}
+
+
+def portable_config(cfg: ClusterConfig) -> dict:
+    """The cluster config as JSON (what differs from the defaults) with nothing only
+    this machine can resolve: capacity profiles travel as their numbers, not paths."""
+    inlined = {}
     for name, pool in cfg.pools().items():
-        if pool.scaling == "fixed":
-            continue
-        a = pool.autoscaling
-        pools[name] = {
-            "role": name,
-            "settings": a.model_dump(mode="json", exclude={"profile"}),
-            "profile": a.load_profile().model_dump(mode="json"),
-            "cpus_per_replica": pool.num_cpus,
-            "gpus_per_replica": pool.num_gpus,
-        }
-    kwargs = policy_kwargs(pools, cfg.slo.model_dump(mode="json"), cfg.budget.model_dump(mode="json"))
-    return {"policy_function": POLICY_PATH, "policy_kwargs": kwargs}
-
-
-def _portable(cfg: ClusterConfig) -> dict:
-    """The cluster config as JSON, without what only this machine can resolve (the
-    profile files: their numbers travel in the policy's kwargs)."""
-    data = cfg.model_dump(mode="json", exclude_defaults=True)
-    for name in cfg.pools():
-        if (data.get(name) or {}).get("autoscaling", {}).get("profile") is not None:
-            data[name]["autoscaling"]["profile"] = None
-    return data
+        if pool.autoscaling is not None and isinstance(pool.autoscaling.profile, str):
+            scaling = pool.autoscaling.model_copy(update={"profile": pool.autoscaling.load_profile()})
+            inlined[name] = pool.model_copy(update={"autoscaling": scaling})
+    return cfg.model_copy(update=inlined).model_dump(mode="json", exclude_defaults=True)
 
 
 def deploy(cfg: ClusterConfig, timeout_s: float = 300.0) -> dict:

@@ -23,14 +23,14 @@ from autoscaling.signals import DecodeSignals
 from engine.async_engine import start_engine
 from engine.config import EngineConfig
 from engine.request import RequestOutput
-from kvtransfer.backends import make_backend
+from kvtransfer.backends import backend_for
 from kvtransfer.backends.base import TransferError
 from kvtransfer.config import TransferConfig
 from kvtransfer.handoff import BackendMismatch, LeaseExpired, PeerMismatch, check_handle, pull_kv, reject_lease
 from kvtransfer.handoff import release_lease
 from kvtransfer.layout import LayoutMismatch
 from kvtransfer.messages import DecodeRequest, ImportFailed, RejectReason
-from kvtransfer.replica import replica_id
+from kvtransfer.replica import node_ip, replica_id
 from telemetry import metrics, tracing
 from telemetry.replica import ReplicaTelemetry
 from telemetry.tracing import Span, SpanKind
@@ -140,7 +140,7 @@ class DecodeServer:
         self.replica_id = replica_id()
         self.aengine = start_engine(EngineConfig.model_validate(engine), "decode", threads)
         eng = self.aengine.engine
-        self.backend = make_backend(self.transfer.backend, self.replica_id, eng.model_id)
+        self.backend = backend_for(self.transfer, self.replica_id, eng.model_id, host=node_ip())
         self.backend.register(eng.kv_cache.data)
         self.counters = ImportCounters()
         self.held = HeldBlocks()

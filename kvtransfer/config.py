@@ -21,3 +21,6 @@ class TransferConfig(BaseModel):
     timeout_s: float = Field(10.0, gt=0)
     # error: the request fails with a clear error; recompute: decode prefills it itself.
     on_failure: Literal["error", "recompute"] = "error"
+    # NIXL: the UCX transports (UCX_TLS) its agents may use, e.g. "tcp,self" to force
+    # the network path between nodes, "rc,ud,self" for RDMA. None: UCX chooses.
+    ucx_tls: str | None = Field(None, pattern=r"^\^?[a-z0-9_,:]+$")

@@ -20,7 +20,7 @@ from engine.async_engine import start_engine
 from engine.config import EngineConfig
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from kvtransfer.backends import make_backend
+from kvtransfer.backends import backend_for
 from kvtransfer.config import TransferConfig
 from kvtransfer.events.config import PrefixIndexConfig
 from kvtransfer.events.publisher import KVEventPublisher
@@ -62,7 +62,7 @@ class PrefillServer:
             PrefixIndexConfig.model_validate(prefix_index), engine_cfg.block_size, self.replica_id,
             self.aengine.take_kv_events,
         )
-        backend = make_backend(transfer_cfg.backend, self.replica_id, eng.model_id)
+        backend = backend_for(transfer_cfg, self.replica_id, eng.model_id, host=node_ip())
         backend.register(eng.kv_cache.data)
         self.exporter = KVExporter(
             backend, self.replica_id, self._free_blocks, lease_ttl_s=transfer_cfg.lease_ttl_s, host=node_ip()

@@ -14,6 +14,7 @@ from kvtransfer.backends.base import (
     TransferStats,
     TransferTimeout,
 )
+from kvtransfer.config import TransferConfig
 
 # Imported lazily: nixl loads UCX plugins, which a torch-only replica should not pay for.
 _BACKENDS = {
@@ -37,6 +38,13 @@ def make_backend(name: str, replica_id: str, model_id: str, **kw) -> KVTransferB
     return backend_class(name)(replica_id, model_id, **kw)
 
 
+def backend_for(cfg: TransferConfig, replica_id: str, model_id: str, host: str) -> KVTransferBackend:
+    """The backend `transfer:` names, for a replica whose peers reach it at `host`
+    (its node's cluster address: gloo binds to it; UCX finds its own interfaces)."""
+    options = {"torch": {"host": host}, "nixl": {"ucx_tls": cfg.ucx_tls}}[cfg.backend]
+    return make_backend(cfg.backend, replica_id, model_id, **options)
+
+
 __all__ = [
     "BACKEND_NAMES",
     "DEFAULT_BACKEND",
@@ -49,5 +57,6 @@ __all__ = [
     "TransferStats",
     "TransferTimeout",
     "backend_class",
+    "backend_for",
     "make_backend",
 ]

@@ -18,6 +18,7 @@ agent runs a pump thread that progresses the worker every ``progress_interval_s`
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -76,8 +77,12 @@ class NixlBackend(KVTransferBackend):
         *,
         progress_interval_s: float | None = 0.002,
         num_threads: int = 0,
+        ucx_tls: str | None = None,
     ) -> None:
         super().__init__(replica_id, model_id)
+        if ucx_tls:
+            # UCX reads its transports when the agent creates its context, below.
+            os.environ["UCX_TLS"] = ucx_tls
         from nixl._api import nixl_agent, nixl_agent_config
 
         # A fresh suffix per process: a restarted replica must not be mistaken for

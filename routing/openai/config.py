@@ -13,6 +13,9 @@ class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, gt=0, lt=65536)
     num_cpus: float = Field(0.25, gt=0)
+    # Only on the Ray nodes that offer `duet/<node_group>` (None: any node), e.g. the
+    # head, where the HTTP proxy and the Service are.
+    node_group: str | None = Field(None, pattern=r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
     # Requests inside the gateway at once; beyond this a new one gets a 429.
     max_pending_requests: int = Field(256, ge=1)
     # API keys: this file (one per line) and/or DUET_API_KEYS; none at all = an open gateway.

@@ -35,11 +35,12 @@ def test_the_goodput_policy_travels_with_its_profile_numbers_not_the_file():
     app = serve_config(cfg)["applications"][0]
     policy = app["autoscaling_policy"]
     assert policy["policy_function"] == POLICY_PATH
-    prefill = policy["policy_kwargs"]["pools"]["prefill"]
-    assert prefill["profile"]["prefill_model"]["b_ms_per_token"] > 0
-    assert "profile" not in prefill["settings"]
-    assert app["args"]["config"]["prefill"]["autoscaling"]["profile"] is None  # the build task needs no file
-    assert policy["policy_kwargs"]["slo"] == cfg.slo.model_dump(mode="json")
+    carried = policy["policy_kwargs"]["config"]
+    assert carried == app["args"]["config"]  # the controller and the build task read the same config
+    profile = carried["prefill"]["autoscaling"]["profile"]
+    assert profile == cfg.prefill.autoscaling.load_profile().model_dump(mode="json", exclude_defaults=True)
+    assert profile["prefill_model"]["b_ms_per_token"] > 0  # the numbers, not the file
+    assert ClusterConfig.model_validate(carried).slo == cfg.slo
 
 
 def test_without_a_goodput_pool_serve_decides_alone():
@@ -70,7 +71,7 @@ def test_the_serve_policy_reads_every_deployment_and_decides_the_goodput_pools()
         "decode.autoscaling": {"policy": "goodput", "max_replicas": 2, "warmup_s": 0},
     })
     kwargs = serve_config(cfg)["applications"][0]["autoscaling_policy"]["policy_kwargs"]
-    policy = GoodputAutoscaler(**kwargs)
+    policy = GoodputAutoscaler(**kwargs)  # the controller's view: no engine, no profile file
     contexts = {
         "gw-id": _ctx("gateway", 1, {"g1": {sig.ARRIVAL_PROMPT_TOKENS_PER_S: 600.0, sig.ARRIVALS_PER_S: 1.0,
                                             sig.FINISHED: 0.0}}),
