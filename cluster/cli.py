@@ -1,4 +1,4 @@
-"""The `duet` command line: serve, generate, bench, plan."""
+"""The `duet` command line: serve, cluster, generate, bench, plan."""
 
 from __future__ import annotations
 
@@ -114,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("plan", help="capacity planner (see `duet plan --help`)", add_help=False)
 
-    from cluster import serve_cli
+    from cluster import nodes_cli, serve_cli
 
     serve_cli.add_parser(sub)
+    nodes_cli.add_parser(sub)
 
     args, rest = parser.parse_known_args(argv)
     if args.cmd == "bench":
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "generate":
         return cmd_generate(args)
+    if args.cmd == "cluster":
+        return nodes_cli.run(args)
     return serve_cli.run(args)
 
 

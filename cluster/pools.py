@@ -10,6 +10,8 @@ resource marks where a pool may run and CPUs/GPUs bound how many replicas fit.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from autoscaling.config import PoolAutoscaling
@@ -24,6 +26,11 @@ NODE_GROUP_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$"
 def node_group_resource(group: str) -> str:
     """The Ray custom resource that marks the nodes of `group`."""
     return f"duet/{group}"
+
+
+def node_resources(groups: Iterable[str]) -> dict[str, int]:
+    """What a Ray node that offers `groups` starts with (`ray start --resources`)."""
+    return {node_group_resource(g): NODE_GROUP_UNITS for g in groups}
 
 
 class PoolConfig(BaseModel):

@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--print-serve-config", action="store_true",
                    help="print the generated Ray Serve config (what is deployed) as YAML and exit")
+    p.add_argument("--serve-config", default=None, metavar="FILE",
+                   help="deploy this Serve config (e.g. a Helm chart's serveConfigV2) instead of generating one")
 
 
 def config_from_args(args) -> ClusterConfig:
@@ -53,13 +55,15 @@ def config_from_args(args) -> ClusterConfig:
     )
 
 
-def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float = 300.0) -> str:
-    """Deploy `cfg` and block until /ready answers 200; returns the base URL."""
+def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float = 300.0,
+          serve_config: dict | None = None) -> str:
+    """Deploy `cfg` (or `serve_config`, the Serve config that deploys it) and block
+    until /ready answers 200; returns the base URL."""
     import ray
     from ray import serve
 
     from cluster.app import REPLICA_ENV
-    from cluster.serve_config import deploy
+    from cluster.serve_config import deploy, deploy_config
 
     if not ray.is_initialized():
         if address:
@@ -72,7 +76,10 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
                      runtime_env={"env_vars": REPLICA_ENV})
     cfg.check_fits(ray.cluster_resources().get("CPU", 0))
     serve.start(http_options={"host": cfg.gateway.host, "port": cfg.gateway.port})
-    deploy(cfg, ready_timeout)  # the generated Serve config (cluster/serve_config.py), as a RayService would
+    if serve_config is not None:
+        deploy_config(serve_config, ready_timeout)
+    else:
+        deploy(cfg, ready_timeout)  # the generated Serve config (cluster/serve_config.py), as a RayService would
     url = f"http://{'127.0.0.1' if cfg.gateway.host == '0.0.0.0' else cfg.gateway.host}:{cfg.gateway.port}"
     wait_ready(url, ready_timeout)
     return url
@@ -99,6 +106,18 @@ def wait_ready(url: str, timeout: float) -> None:
     raise TimeoutError(f"{url}/ready did not answer 200 within {timeout:.0f}s ({last})")
 
 
+def _read_serve_config(path: str) -> tuple[dict, ClusterConfig]:
+    """A Serve config file and the cluster config it deploys."""
+    import yaml
+
+    from cluster.serve_config import cluster_config_of
+
+    config = yaml.safe_load(open(path))
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a Serve config must be a mapping")
+    return config, cluster_config_of(config)
+
+
 def stop() -> None:
     import ray
     from ray import serve
@@ -111,9 +130,13 @@ def stop() -> None:
 
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve_config = None
     try:
-        cfg = config_from_args(args)
-    except ConfigError as e:
+        if args.serve_config:
+            serve_config, cfg = _read_serve_config(args.serve_config)
+        else:
+            cfg = config_from_args(args)
+    except (ConfigError, ValueError, OSError) as e:
         print(f"duet serve: invalid config: {e}", file=sys.stderr)
         return 2
     if args.print_serve_config:
@@ -125,7 +148,7 @@ def run(args) -> int:
         return 0
     t0 = time.monotonic()
     try:
-        url = start(cfg, args.address, args.ready_timeout)
+        url = start(cfg, args.address, args.ready_timeout, serve_config)
     except ConfigError as e:
         print(f"duet serve: {e}", file=sys.stderr)
         stop()

@@ -70,16 +70,28 @@ def portable_config(cfg: ClusterConfig) -> dict:
 
 def deploy(cfg: ClusterConfig, timeout_s: float = 300.0) -> dict:
     """Apply `cfg`'s Serve config to the running Serve instance (as `serve deploy`
-    would, without the dashboard) and wait until the app runs it: the old replicas
-    replaced, or the deploy failed (raised with Serve's message). Returns the config."""
+    would, without the dashboard) and wait until the app runs it. Returns the config."""
+    env = {KEYS_ENV: os.environ[KEYS_ENV]} if os.environ.get(KEYS_ENV) else None
+    return deploy_config(serve_config(cfg, env), timeout_s)
+
+
+def cluster_config_of(config: dict) -> ClusterConfig:
+    """The cluster config a generated Serve config (or a chart's serveConfigV2) deploys."""
+    apps = [a for a in config.get("applications", []) if a.get("import_path") == IMPORT_PATH]
+    if len(apps) != 1:
+        raise ValueError(f"expected one application with import_path {IMPORT_PATH}, found {len(apps)}")
+    return ClusterConfig.model_validate(apps[0].get("args", {}).get("config", {}))
+
+
+def deploy_config(config: dict, timeout_s: float = 300.0) -> dict:
+    """Apply a Serve config (`ServeDeploySchema`) and wait until the app runs it: the
+    old replicas replaced, or the deploy failed (raised with Serve's message)."""
     import time
 
     from ray import serve
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ApplicationStatus, ServeDeploySchema
 
-    env = {KEYS_ENV: os.environ[KEYS_ENV]} if os.environ.get(KEYS_ENV) else None
-    config = serve_config(cfg, env)
     # The controller marks the app DEPLOYING before this returns: RUNNING after it
     # means the new config's replicas, not the old ones.
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))

@@ -310,6 +310,7 @@ class DecodeServer:
         return {
             **self.aengine.stats,
             "replica_id": self.replica_id,
+            "node_ip": node_ip(),
             "transfer_count": m.transfers,
             "transfer_failures": m.failures,
             "transfer_bytes": m.bytes,

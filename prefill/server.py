@@ -79,7 +79,7 @@ class PrefillServer:
         self.aengine.submit(lambda: eng.release_blocks(ids))
 
     def _engine_stats(self) -> dict:
-        return {**self.aengine.stats, **(self.tier.as_dict() if self.tier is not None else {})}
+        return {**self.aengine.stats, **self.exporter.stats(), **(self.tier.as_dict() if self.tier is not None else {})}
 
     def record_routing_stats(self) -> dict:
         """Read by Serve every `router.stats_period_s` and handed to every router."""
@@ -173,6 +173,7 @@ class PrefillServer:
         return {
             **self.aengine.stats,
             "replica_id": self.replica_id,
+            "node_ip": node_ip(),
             **self.exporter.stats(),
             **self.events.stats(),
             **(self.tier.as_dict() if self.tier is not None else {}),

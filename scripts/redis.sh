@@ -3,12 +3,13 @@
 #
 #   scripts/redis.sh start|stop|status
 #
-# Listens on 127.0.0.1:${DUET_REDIS_PORT:-6390} (never 6379: Ray's GCS uses it),
+# Listens on ${DUET_REDIS_HOST:-127.0.0.1}:${DUET_REDIS_PORT:-6390} (never 6379: Ray's GCS uses it),
 # daemonized, pidfile, log and data under ${DUET_REDIS_DIR:-/tmp/duet-redis}.
 # Installs Debian's redis-server with apt-get if it is missing. Idempotent.
 set -euo pipefail
 
 PORT="${DUET_REDIS_PORT:-6390}"
+HOST="${DUET_REDIS_HOST:-127.0.0.1}"
 DIR="${DUET_REDIS_DIR:-/tmp/duet-redis}"
 PIDFILE="$DIR/redis-$PORT.pid"
 
@@ -19,7 +20,7 @@ fi
 
 ping() {
     command -v redis-cli >/dev/null 2>&1 &&
-        [[ "$(redis-cli -h 127.0.0.1 -p "$PORT" ping 2>/dev/null)" == "PONG" ]]
+        [[ "$(redis-cli -h "$HOST" -p "$PORT" ping 2>/dev/null)" == "PONG" ]]
 }
 
 install() {
@@ -37,19 +38,23 @@ install() {
 
 start() {
     if ping; then
-        echo "redis.sh: already running on 127.0.0.1:$PORT"
+        echo "redis.sh: already running on $HOST:$PORT"
         return 0
     fi
     install
     mkdir -p "$DIR"
+    # Redis has no password here: off loopback (a private bridge of the multi-node
+    # test cluster) protected mode would refuse every other host.
+    local protected=yes
+    [[ "$HOST" != "127.0.0.1" ]] && protected=no
     redis-server \
-        --bind 127.0.0.1 --port "$PORT" --protected-mode yes \
+        --bind "$HOST" --port "$PORT" --protected-mode "$protected" \
         --daemonize yes --pidfile "$PIDFILE" \
         --dir "$DIR" --logfile "$DIR/redis-$PORT.log" \
         --dbfilename "dump-$PORT.rdb" --save "" --appendonly no
     for _ in $(seq 50); do
         if ping; then
-            echo "redis.sh: started on 127.0.0.1:$PORT (dir $DIR)"
+            echo "redis.sh: started on $HOST:$PORT (dir $DIR)"
             return 0
         fi
         sleep 0.1
@@ -60,7 +65,7 @@ start() {
 
 stop() {
     if ping; then
-        redis-cli -h 127.0.0.1 -p "$PORT" shutdown nosave >/dev/null 2>&1 || true
+        redis-cli -h "$HOST" -p "$PORT" shutdown nosave >/dev/null 2>&1 || true
     elif [[ -f "$PIDFILE" ]] && kill -0 "$(cat "$PIDFILE")" 2>/dev/null; then
         kill "$(cat "$PIDFILE")"
     fi
@@ -74,7 +79,7 @@ stop() {
 
 status() {
     if ping; then
-        echo "redis.sh: running on 127.0.0.1:$PORT"
+        echo "redis.sh: running on $HOST:$PORT"
     else
         echo "redis.sh: not running (port $PORT)"
         return 1

@@ -82,6 +82,8 @@ TIER_HIT_TOKENS = _c("duet_kv_tier_hit_tokens_total", "Prompt tokens loaded from
 # ---------------------------------------------------------------- KV transfer (decode side)
 TRANSFER_BYTES = _c("duet_kv_transfer_bytes_total", "KV bytes pulled from prefill", ("backend",))
 TRANSFER_SECONDS = _h("duet_kv_transfer_seconds", "Duration of one KV pull", ("backend",))
+LEASES_ACTIVE = _g("duet_kv_leases_active", "Prefill KV exports pinned for decode to pull (leases not yet ended)")
+LEASES_GRANTED = _c("duet_kv_leases_granted_total", "KV exports a prefill replica leased to decode")
 TRANSFER_FAILURES = _c("duet_kv_transfer_failures_total", "KV imports that failed, by reason", ("reason",))
 
 FAMILIES: tuple[Family, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Family))
@@ -170,7 +172,7 @@ def _in_ray_worker() -> bool:
 
 class EngineStatsReporter:
     """Turns a replica engine's stats (engine `Engine.stats()` keys, plus the KV
-    tier's `kv_tier_<tier>_hit_tokens`) into gauges and counters, every
+    tier's `kv_tier_<tier>_hit_tokens` and a prefill exporter's `leases_*`) into gauges and counters, every
     `interval_s`, from a daemon thread. Cumulative stats become counter increments."""
 
     _TIERS = ("cpu", "disk", "redis")
@@ -203,6 +205,9 @@ class EngineStatsReporter:
         self._count(PREFIX_QUERIED_TOKENS, "prefix_cache_queried_tokens", s)
         for tier in self._TIERS:
             self._count(TIER_HIT_TOKENS, f"kv_tier_{tier}_hit_tokens", s, tier=tier)
+        if "leases_active" in s:  # a prefill replica's exporter
+            r.set(LEASES_ACTIVE, s["leases_active"])
+            self._count(LEASES_GRANTED, "leases_granted", s)
 
     def _count(self, family: Family, key: str, stats: Mapping, **labels: str) -> None:
         value = stats.get(key)

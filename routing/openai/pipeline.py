@@ -55,6 +55,11 @@ _REJECT_TIMEOUT_S = 1.0
 _REPLICA_GONE = (RayActorError, ActorUnavailableError, EngineDead)
 # Import failures that mean the prompt's KV is gone, not that decode cannot take it.
 _SOURCE_LOST = (RejectReason.TRANSFER_FAILED, RejectReason.LEASE_EXPIRED)
+# Past its lease a decode call cannot import the KV any more, so one that has not
+# produced its first output by then never will (Serve queues a call while the pool
+# has no live replica: a lost node, nowhere to place a new one). This much later
+# still: a pull begun just before the lease ended is bounded by transfer.timeout_s.
+_DECODE_START_GRACE_S = 15.0
 
 
 @dataclass
@@ -112,7 +117,8 @@ async def disaggregated(
             req = DecodeRequest(sub_id, tuple(context), result.first_token, remaining, result.kv_handle, trace)
             stream = decode_handle.options(stream=True).generate.remote(req)
             try:
-                async for outs in stream:
+                start_within = max(0.0, result.kv_handle.lease_expiry - time.time()) + _DECODE_START_GRACE_S
+                async for outs in _started_within(stream, start_within):
                     outs = [view.adapt(o, base) for o in outs]
                     generated.extend(t for o in outs for t in o.new_token_ids)
                     yield outs
@@ -130,6 +136,8 @@ async def disaggregated(
                 reject = RejectReason.DECODE_LOST
                 log.warning("request %s: decode replica lost after %d tokens (%s); migrating (%d of %d)",
                             request_id, len(generated), _short(e), timing.migrations, resilience.max_migrations)
+            except UpstreamError:
+                raise
             except ImportFailed as e:
                 if e.reason not in _SOURCE_LOST or timing.prefill_retries >= resilience.prefill_retries:
                     raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
@@ -147,6 +155,22 @@ async def disaggregated(
                 asyncio.get_running_loop().run_in_executor(
                     None, reject_lease, result.kv_handle, reject, _REJECT_TIMEOUT_S
                 )
+
+
+async def _started_within(stream, timeout_s: float) -> AsyncIterator:
+    """`stream`, failing (503) if its first batch takes longer than `timeout_s`."""
+    it = stream.__aiter__()
+    try:
+        first = await asyncio.wait_for(it.__anext__(), timeout_s)
+    except StopAsyncIteration:
+        return
+    except TimeoutError:
+        stream.cancel()
+        raise UpstreamError(f"no decode replica started the request within {timeout_s:.0f} s "
+                            "(its KV lease has ended; is the decode pool down?)", capacity=True) from None
+    yield first
+    async for outs in it:
+        yield outs
 
 
 async def _prefill(handle, request_id, prompt_ids, sp, session_id, trace, timing: Timing, resilience: Resilience):

@@ -5,6 +5,7 @@ lost before answering is retried; past the limits the request fails cleanly."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -23,10 +24,10 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 FP = LayoutFingerprint("m", "float32", 16, 1, 1, 8)
 
 
-def _handle(request_id: str, n: int) -> KVHandle:
+def _handle(request_id: str, n: int, lease_s: float = 30.0) -> KVHandle:
     # No control address: releasing or rejecting it is a no-op here.
     return KVHandle(request_id, "prefill#x", "fake", PeerInfo("p", FP, 64), tuple(range(-(-n // 16))), n, FP, "lease",
-                    time.time() + 30)
+                    time.time() + lease_s)
 
 
 class _Remote:
@@ -37,8 +38,8 @@ class _Remote:
 class FakePrefill:
     """`prefill.remote(...)`: the engine computes the prompt and samples one token."""
 
-    def __init__(self, engine, die_times: int = 0):
-        self.engine, self.die_times, self.calls = engine, die_times, []
+    def __init__(self, engine, die_times: int = 0, lease_s: float = 30.0):
+        self.engine, self.die_times, self.calls, self.lease_s = engine, die_times, [], lease_s
         self.prefill = _Remote(self._prefill)
 
     async def _prefill(self, request_id, prompt_ids, sp, session_id=None, trace=None):
@@ -50,7 +51,7 @@ class FakePrefill:
         out = None
         while self.engine.has_unfinished():
             out = self.engine.step()[-1]
-        return PrefillResult(request_id, out.new_token_ids[0], _handle(request_id, len(prompt_ids)),
+        return PrefillResult(request_id, out.new_token_ids[0], _handle(request_id, len(prompt_ids), self.lease_s),
                              out.num_cached_tokens, len(prompt_ids), text=out.text)
 
 
@@ -187,3 +188,32 @@ async def test_import_failures_that_are_not_retried_fail_the_request(make_engine
 def test_nothing_left_to_generate_after_a_loss_ends_the_request():
     assert pipeline._remaining(GREEDY, GREEDY.max_tokens) is None
     assert pipeline._remaining(GREEDY, 4).max_tokens == GREEDY.max_tokens - 4
+
+
+class _NeverStarted:
+    """A decode call Serve never assigns (no live replica): its stream waits forever."""
+
+    def __init__(self):
+        self.cancelled = False
+        self.generate = _Remote(lambda req: self)
+
+    def options(self, stream: bool):
+        return self
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.Event().wait()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+async def test_a_decode_call_no_replica_starts_fails_once_its_lease_is_over(make_engine, prompt, monkeypatch):
+    monkeypatch.setattr(pipeline, "_DECODE_START_GRACE_S", 0.2)
+    prefill, decode = FakePrefill(make_engine(), lease_s=0.1), _NeverStarted()
+    with pytest.raises(pipeline.UpstreamError, match="no decode replica started the request") as e:
+        await collect(pipeline.disaggregated(prefill, decode, "req", prompt, GREEDY, pipeline.Timing()))
+    assert e.value.capacity  # a 503: retry later
+    assert decode.cancelled  # the Serve call is withdrawn

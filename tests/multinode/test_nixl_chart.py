@@ -1,0 +1,130 @@
+"""duet across three Ray nodes (head + gateway, prefill, decode), each in its own
+network namespace, deployed from the Helm chart's rendered `serveConfigV2` with the
+NIXL backend over UCX's TCP transport.
+
+Greedy output equals the single-process engine's; each pool runs on its own node and
+the transfer is counted there (each node's own metrics agent); the prefix index and
+the KV tier live in a Redis reached over the bridge. Then the decode node is killed
+mid-stream: the stream ends with a clear error (no hang), the prefill node's leases
+go back to zero, and once the node is back the cluster serves again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import httpx
+import pytest
+import redis
+import yaml
+from mn_cluster import BYTES_PER_BLOCK, complete_unique, LEASE_TTL_S, DuetServe, cluster_config, scrape, settled, total, wait_for
+
+from cluster.serve_config import serve_config
+
+pytestmark = pytest.mark.multinode
+
+helm_chart = pytest.importorskip("helm_chart", reason="the chart tests' helpers (tests/helm_chart.py)")
+pytest.importorskip("helm_python", reason="Helm's engine (PyPI helm-python-sdk)")
+
+EXAMPLE = "cpu-small.yaml"
+
+
+@pytest.fixture(scope="module")
+def duet(mn, mn_redis, tmp_path_factory):
+    """The chart rendered with this cluster's `duet:` settings; its serveConfigV2
+    deployed as KubeRay would deploy it (here: `duet serve --serve-config`)."""
+    values = helm_chart.load_values(helm_chart.CHART / "examples" / EXAMPLE)
+    values["duet"] = cluster_config(mn, mn_redis, "nixl")
+    values["redis"] = {"enabled": False, "externalUrl": mn_redis}  # the bridge's, not a StatefulSet
+    rendered = helm_chart.serve_config_v2(helm_chart.render(values))
+    path = tmp_path_factory.mktemp("chart") / "serveConfigV2.yaml"
+    path.write_text(yaml.safe_dump(rendered))
+    d = DuetServe(mn, ["--serve-config", str(path)], path.with_name("serve.log"))
+    d.rendered = rendered
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        d.stop()
+
+
+def test_the_rendered_chart_deploys_what_duet_generates(duet, mn, mn_redis):
+    from cluster.config import ClusterConfig
+
+    generated = serve_config(ClusterConfig.model_validate(cluster_config(mn, mn_redis, "nixl")))
+    assert helm_chart.same_serve_config(duet.rendered, generated)
+
+
+def test_greedy_output_is_exact_across_nodes(duet, mn, reference, chat):
+    for stream in (False, True):
+        text, prompt_tokens = chat(duet.url, stream=stream)
+        assert text == reference.text
+        assert prompt_tokens == reference.prompt_tokens
+
+
+def test_each_pool_runs_and_counts_on_its_own_node(duet, mn, chat):
+    nodes = {n: scrape(mn, n) for n in ("head", "prefill", "decode")}
+    assert total(nodes["head"], "ray_duet_requests_total", pool="gateway") > 0
+    assert total(nodes["prefill"], "ray_duet_kv_blocks_total", pool="prefill") > 0
+    assert total(nodes["decode"], "ray_duet_kv_blocks_total", pool="decode") > 0
+    for other in ("head", "decode"):
+        assert total(nodes[other], "ray_duet_kv_blocks_total", pool="prefill") == 0
+    for other in ("head", "prefill"):
+        assert total(nodes[other], "ray_duet_kv_blocks_total", pool="decode") == 0
+
+    before = {"prefill": settled(mn, "prefill", "ray_duet_kv_leases_granted_total"),
+              "decode": settled(mn, "decode", "ray_duet_kv_transfer_bytes_total")}
+    prompt_tokens = complete_unique(duet.url)
+    want = math.ceil(prompt_tokens / 16) * BYTES_PER_BLOCK  # no block of it cached anywhere: all of it moves
+
+    def moved() -> bool:
+        d = {n: scrape(mn, n) for n in ("prefill", "decode")}
+        pulled = (total(d["decode"], "ray_duet_kv_transfer_bytes_total", backend="nixl")
+                  - total(before["decode"], "ray_duet_kv_transfer_bytes_total", backend="nixl"))
+        leased = (total(d["prefill"], "ray_duet_kv_leases_granted_total")
+                  - total(before["prefill"], "ray_duet_kv_leases_granted_total"))
+        return pulled == want and leased == 1 and total(d["prefill"], "ray_duet_kv_transfer_bytes_total") == 0
+
+    wait_for(moved, 30, f"{want} bytes pulled on the decode node, one lease granted on the prefill node")
+
+
+def test_prefix_index_and_kv_tier_are_in_the_bridge_redis(duet, mn_redis, chat):
+    chat(duet.url, content="A prompt long enough to fill more than one KV block for the tier to store " * 3)
+    index, tier = (redis.Redis.from_url(f"{mn_redis}/{db}") for db in (0, 1))
+    wait_for(lambda: index.dbsize() > 0 and tier.dbsize() > 0, 30, "prefix index and LMCache keys in Redis")
+
+
+def test_losing_the_decode_node_mid_stream_errors_and_the_cluster_recovers(duet, mn, reference, chat):
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    events: list[str] = []
+    started = time.monotonic()
+    # A hang would be a ReadTimeout: no byte for 120 s.
+    with httpx.stream("POST", f"{duet.url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 5:
+                    mn.kill_node("decode")
+    elapsed = time.monotonic() - started
+    errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert errors, events[-3:]  # the client is told, in the stream it is reading
+    # Migration found no decode replica: the lease ended, then the grace period.
+    assert elapsed < LEASE_TTL_S + 60, elapsed
+
+    def no_leases() -> bool:
+        s = scrape(mn, "prefill")
+        return "ray_duet_kv_leases_active" in s and total(s, "ray_duet_kv_leases_active") == 0
+
+    wait_for(no_leases, 60, "the prefill node's leases back to zero")
+
+    mn.start_node("decode")  # a new node; Serve places the decode replica there
+
+    def serves() -> bool:
+        text, _ = chat(duet.url, timeout=60)
+        return text == reference.text
+
+    wait_for(serves, 300, "an exact answer with the decode node back", interval=2)
