@@ -1,8 +1,10 @@
 """Handoff cost per request: time, bytes and GB/s to move a prompt's KV blocks.
 
-    python -m cluster.bench.kv --json PATH [--runs 9] [--backends nixl,torch]
+    python -m cluster.bench.kv --json PATH [--runs 9] [--backends nixl,torch] [--netns]
 
-Two OS processes on this host (the prefill peer is a child process), SmolLM2-135M's
+Two OS processes on this host (the prefill peer is a child process); with --netns
+also between two Ray nodes in network namespaces (`nixl/tcp`, `torch/tcp`: the
+multi-node path over TCP, cluster/bench/kv_nodes.py), SmolLM2-135M's
 KV shape (30 layers, 3 KV heads, head_dim 64, bf16, block_size 16), prompts of
 128/512/2048 tokens, random non-contiguous block ids on both sides (what a block
 pool hands out). In-process baselines: ``memcpy`` gathers the blocks with
@@ -18,12 +20,15 @@ import json
 import math
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from kvtransfer.backends import make_backend
+from kvtransfer.backends import KVTransferBackend, PeerInfo, make_backend
 from kvtransfer.peer_process import KVSpec, PrefillPeer
 
 SMOLLM2 = KVSpec(num_blocks=320, num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="bfloat16")
@@ -83,33 +88,64 @@ def bench_memcpy(spec: KVSpec, runs: int) -> list[Result]:
 
 def bench_backend(name: str, spec: KVSpec, runs: int) -> list[Result]:
     kw = {"host": "127.0.0.1"} if name == "torch" else {}
-    expected = spec.filled(seed=1)
-    out = []
     with PrefillPeer(name, spec, seed=1, **kw) as peer, make_backend(name, "bench-decode", "test-model", **kw) as b:
-        kv = spec.zeros()
-        b.register(kv)
-        t0 = time.perf_counter()
-        b.pull(peer.peer_info, [0], [0], timeout_s=30)  # connection setup and warm-up
-        first = time.perf_counter() - t0
-        for tokens in PROMPTS:
-            n = math.ceil(tokens / spec.block_size)
-            remote, local = _block_ids(spec, n, tokens)
-            times = []
-            for _ in range(runs + 1):
-                kv[local] = 0
-                times.append(b.pull(peer.peer_info, remote, local, timeout_s=30).seconds)
-            if not torch.equal(kv[local].view(torch.uint8), expected[remote].view(torch.uint8)):
-                raise AssertionError(f"{name}: pulled bytes differ from the source")
-            out.append(_result(name, tokens, n, b.fingerprint.bytes_per_block, times[1:], first))
+        return pull_series(b, peer.peer_info, spec, runs, name)
+
+
+def pull_series(b: KVTransferBackend, peer: PeerInfo, spec: KVSpec, runs: int, label: str) -> list[Result]:
+    """Pull each prompt's blocks `runs` + 1 times from the peer that serves
+    `spec.filled(seed=1)` (the first run warms up) and check the bytes."""
+    expected = spec.filled(seed=1)
+    kv = spec.zeros()
+    b.register(kv)
+    t0 = time.perf_counter()
+    b.pull(peer, [0], [0], timeout_s=30)  # connection setup and warm-up
+    first = time.perf_counter() - t0
+    out = []
+    for tokens in PROMPTS:
+        n = math.ceil(tokens / spec.block_size)
+        remote, local = _block_ids(spec, n, tokens)
+        times = []
+        for _ in range(runs + 1):
+            kv[local] = 0
+            times.append(b.pull(peer, remote, local, timeout_s=30).seconds)
+        if not torch.equal(kv[local].view(torch.uint8), expected[remote].view(torch.uint8)):
+            raise AssertionError(f"{label}: pulled bytes differ from the source")
+        out.append(_result(label, tokens, n, b.fingerprint.bytes_per_block, times[1:], first))
     return out
 
 
+def across_nodes(backends: list[str], runs: int) -> list[Result]:
+    """The same pulls between Ray nodes in network namespaces (cluster/netns.py):
+    a cluster of its own, the driver in its head node's namespace."""
+    from cluster.netns import NamespaceCluster, available
+
+    why = available()
+    if why:
+        raise SystemExit(f"--netns: {why}")
+    c = NamespaceCluster(prefix="duetb", subnet="10.79.0")
+    c.stop()
+    try:
+        c.start()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = f"{tmp}/results.json"
+            argv = [sys.executable, "-m", "cluster.bench.kv_nodes", "--address", c.address, "--json", path,
+                    "--backends", ",".join(backends), "--runs", str(runs)]
+            out = subprocess.run(c.in_netns(c.head.name, argv), capture_output=True, text=True, timeout=1800)
+            if out.returncode != 0:
+                raise RuntimeError(f"the cross-node benchmark failed: {out.stderr[-3000:]}")
+            with open(path) as f:
+                return [Result(**r) for r in json.load(f)]
+    finally:
+        c.stop()
+
+
 def _table(results: list[Result]) -> str:
-    head = f"{'prompt':>7} {'blocks':>6} {'MB':>7} {'backend':>7} {'median ms':>10} {'min ms':>8} {'GB/s':>6}"
+    head = f"{'prompt':>7} {'blocks':>6} {'MB':>7} {'backend':>9} {'median ms':>10} {'min ms':>8} {'GB/s':>6}"
     rows = [head, "-" * len(head)]
     for r in sorted(results, key=lambda r: (r.prompt_tokens, r.backend)):
         rows.append(
-            f"{r.prompt_tokens:>7} {r.num_blocks:>6} {r.bytes / 1e6:>7.2f} {r.backend:>7} "
+            f"{r.prompt_tokens:>7} {r.num_blocks:>6} {r.bytes / 1e6:>7.2f} {r.backend:>9} "
             f"{r.median_ms:>10.3f} {r.min_ms:>8.3f} {r.gbps:>6.2f}"
         )
     firsts = {r.backend: r.first_pull_ms for r in results if r.first_pull_ms is not None}
@@ -123,12 +159,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", required=True, help="write results here")
     parser.add_argument("--runs", type=int, default=9, help="timed runs per point (median reported)")
     parser.add_argument("--backends", default="nixl,torch")
+    parser.add_argument("--netns", action="store_true",
+                        help="also pull between Ray nodes in network namespaces over TCP (root; the multi-node path)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # copies with 2 threads on 2 cores were 10x slower (measured)
 
     results = bench_memcpy(SMOLLM2, args.runs)
     for name in args.backends.split(","):
         results += bench_backend(name, SMOLLM2, args.runs)
+    if args.netns:
+        results += across_nodes(args.backends.split(","), args.runs)
     print(_table(results))
     report = {
         "spec": asdict(SMOLLM2),
