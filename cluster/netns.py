@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -232,6 +233,18 @@ class NamespaceCluster:
             shutil.rmtree(self._etc(n.name), ignore_errors=True)
             subprocess.run(["ip", "link", "del", self._veth(n.name)], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        self._forget_address()
+
+    def _forget_address(self) -> None:
+        """`ray start` records the cluster it joined in Ray's temp dir, and a later
+        `ray.init()` without an address joins that one instead of starting its own:
+        forget this cluster once it is gone."""
+        path = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        try:
+            if path.read_text().strip() == self.address:
+                path.unlink()
+        except OSError:
+            pass
 
 
 def available() -> str | None:

@@ -70,9 +70,10 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
             ray.init(address=address, runtime_env={"env_vars": REPLICA_ENV}, logging_level=logging.WARNING)
         else:
             # Room for every pool at its largest: Ray's CPUs are a reservation, and on
-            # one machine more replicas share the same cores.
+            # one machine more replicas share the same cores. "local": a new cluster,
+            # never the one a `ray start` on this machine last recorded.
             cpus = max(os.cpu_count() or 1, int(cfg.required_cpus(at_most=True) + 0.999))
-            ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
                      runtime_env={"env_vars": REPLICA_ENV})
     cfg.check_fits(ray.cluster_resources().get("CPU", 0))
     serve.start(http_options={"host": cfg.gateway.host, "port": cfg.gateway.port})

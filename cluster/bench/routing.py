@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     from cluster.serve_cli import wait_ready
 
     os.environ.update(REPLICA_ENV)
-    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, runtime_env={"env_vars": REPLICA_ENV})
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, runtime_env={"env_vars": REPLICA_ENV})
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     url = f"http://127.0.0.1:{args.port}"
     workloads = {

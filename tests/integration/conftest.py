@@ -37,6 +37,7 @@ def ray_cluster():
     from cluster.app import REPLICA_ENV
 
     ray.init(
+        address="local",  # a cluster of its own, whatever `ray start` last recorded
         num_cpus=4,
         include_dashboard=False,
         logging_level=logging.WARNING,

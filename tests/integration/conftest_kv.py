@@ -86,7 +86,7 @@ def start_ray(port: int) -> tuple[bool, int]:
         from duet_cluster import PORT
 
         return False, PORT
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": REPLICA_ENV})
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": REPLICA_ENV})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return True, port
 
