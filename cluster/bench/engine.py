@@ -3,8 +3,10 @@ transformers `generate` on the same weights and dtype, measured in the same run.
 
 Points: decode at batch 1, 8 and 32 (output tokens/s over the whole generate call,
 `prompt_len`-token prompts, `output_len` forced output tokens), and prefill tokens/s
-for one 512-token prompt. Each figure is the median of `repeats` runs. Ceilings are
-rough roofline estimates for a 2-core Zen 4 CPU (docs/benchmarks.md).
+for one 512-token prompt. Each figure is the median of `repeats` runs. On a CPU each
+point is also given as a share of its ceiling, which this machine's memory bandwidth
+and GEMM speed on the model's own shapes set, measured in the same run
+(cluster/bench/ceilings.py).
 """
 
 from __future__ import annotations
@@ -18,19 +20,10 @@ from pathlib import Path
 
 import torch
 
+from cluster.bench.ceilings import measure
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-
-# Rough ceilings (tok/s) on a 2-core Zen 4 (AVX-512): batch 1 is weight bytes per token
-# over ~29 GB/s of memory read; batch 32 and prefill are matmul FLOPs over measured GEMM
-# speed (fp32 ~165-196 GFLOP/s, bf16 ~400). Batch 8 is derived: 8x the bandwidth-bound
-# batch-1 ceiling, capped by the compute-bound batch-32 ceiling.
-CEILINGS = {
-    "float32": {"decode_b1": 54, "decode_b8": 432, "decode_b32": 600, "prefill_512": 800},
-    "bfloat16": {"decode_b1": 108, "decode_b8": 864, "decode_b32": 1300, "prefill_512": 1800},
-}
-
 
 @dataclass
 class BenchPoint:
@@ -42,6 +35,7 @@ class BenchPoint:
     hf_tok_s: float | None
     ratio: float | None
     ceiling_tok_s: float | None
+    pct_of_ceiling: float | None
     ours_runs: list[float]
     hf_runs: list[float]
 
@@ -87,7 +81,15 @@ def run(
     engine = Engine(EngineConfig(dtype=dtype, device=device, max_num_batched_tokens=max(prefill_len, 2048)))
     hf = _load_hf(engine) if with_hf else None
     dtype_name = str(engine.dtype).removeprefix("torch.")
-    ceilings = CEILINGS.get(dtype_name, {}) if engine.device == "cpu" else {}
+    ceilings: dict[str, float] = {}
+    measured = None
+    if engine.device == "cpu":
+        measured = measure(engine.model_config, engine.dtype, [*batches, prefill_len])
+        ceilings = {f"decode_b{b}": measured.decode_tok_s(b) for b in batches}
+        ceilings[f"prefill_{prefill_len}"] = measured.prefill_tok_s(prefill_len)
+        print(f"  ceilings: flags {' '.join(measured.cpu_flags) or '-'}; read {measured.read_gbps:.1f} GB/s; "
+              f"GEMM GFLOP/s by rows {', '.join(f'{r}: {g:.0f}' for r, g in measured.gemm_gflops.items())}",
+              flush=True)
     sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     points: list[BenchPoint] = []
 
@@ -98,9 +100,10 @@ def run(
         if hf is not None:
             hf_fn()
             hf_rate, hf_runs = _median_rate(hf_fn, tokens, repeats)
+        ceiling = ceilings.get(name)
         p = BenchPoint(
             name, batch, plen, olen, ours, hf_rate, ours / hf_rate if hf_rate else None,
-            ceilings.get(name), ours_runs, hf_runs,
+            ceiling, 100 * ours / ceiling if ceiling else None, ours_runs, hf_runs,
         )
         points.append(p)
         print(f"  {name:12s} ours {ours:8.1f} tok/s   hf {hf_rate or 0:8.1f} tok/s", flush=True)
@@ -145,6 +148,7 @@ def run(
         },
         "model": engine.model_id,
         "dtype": dtype_name,
+        "ceilings": measured.as_dict() if measured else None,
         "repeats": repeats,
         "points": [asdict(p) for p in points],
     }
@@ -153,13 +157,21 @@ def run(
 def print_table(result: dict) -> None:
     print(f"\nmodel {result['model']}  dtype {result['dtype']}  device {result['machine']['device']}  "
           f"threads {result['machine']['threads']}  (median of {result['repeats']})")
-    print(f"{'point':14s}{'batch':>6s}{'in':>6s}{'out':>6s}{'ours tok/s':>12s}{'HF tok/s':>10s}{'ratio':>7s}{'ceiling':>9s}")
+    c = result.get("ceilings")
+    if c:
+        gemm = ", ".join(f"{r} rows {g:.0f}" for r, g in c["gemm_gflops"].items())
+        print(f"CPU flags: {' '.join(c['cpu_flags']) or '-'}\nceilings measured in this run: memory read "
+              f"{c['read_gbps']:.1f} GB/s, GEMM GFLOP/s on the model's shapes: {gemm}; "
+              f"weights {c['weight_bytes'] / 1e6:.0f} MB")
+    print(f"{'point':14s}{'batch':>6s}{'in':>6s}{'out':>6s}{'ours tok/s':>12s}{'HF tok/s':>10s}{'ratio':>7s}"
+          f"{'ceiling':>9s}{'% ceil':>8s}")
     for p in result["points"]:
         hf = f"{p['hf_tok_s']:.1f}" if p["hf_tok_s"] else "-"
         ratio = f"{p['ratio']:.2f}" if p["ratio"] else "-"
-        ceil = f"{p['ceiling_tok_s']}" if p["ceiling_tok_s"] else "-"
+        ceil = f"{p['ceiling_tok_s']:.0f}" if p["ceiling_tok_s"] else "-"
+        pct = f"{p['pct_of_ceiling']:.0f}%" if p.get("pct_of_ceiling") else "-"
         print(f"{p['name']:14s}{p['batch']:6d}{p['prompt_len']:6d}{p['output_len']:6d}"
-              f"{p['ours_tok_s']:12.1f}{hf:>10s}{ratio:>7s}{ceil:>9s}")
+              f"{p['ours_tok_s']:12.1f}{hf:>10s}{ratio:>7s}{ceil:>9s}{pct:>8s}")
 
 
 def main(args) -> int:
