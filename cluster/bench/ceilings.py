@@ -11,8 +11,10 @@ speed the same machine gives in isolation. Two speeds are measured:
 
 A point's ceiling is then a roofline: one step cannot be faster than reading every
 weight once (the weight bytes over the bandwidth) or than its matmul FLOPs at the
-measured GEMM speed. Attention's own FLOPs and the element-wise ops are left out:
-they are what the engine adds, so they count against it.
+measured GEMM speed. At batch 1 only the bandwidth counts: a one-row GEMM's speed is
+a library's matrix-vector kernel, not the machine's. Attention's own FLOPs and the
+element-wise ops are left out: they are what the engine adds, so they count against
+it.
 """
 
 from __future__ import annotations
@@ -91,8 +93,10 @@ class Ceilings:
 
     def decode_tok_s(self, batch: int) -> float:
         """A decode step of `batch` sequences: bounded by reading the weights once
-        and by `batch` tokens' matmuls."""
+        and (batch > 1) by `batch` tokens' matmuls."""
         read_s = self.weight_bytes / (self.read_gbps * 1e9)
+        if batch == 1:
+            return 1 / read_s
         compute_s = batch * self.flops_per_token / (self.gemm_gflops[batch] * 1e9)
         return batch / max(read_s, compute_s)
 
@@ -112,7 +116,7 @@ def measure(model_config, dtype: torch.dtype, rows: list[int]) -> Ceilings:
         threads=torch.get_num_threads(),
         dtype=str(dtype).removeprefix("torch."),
         read_gbps=read_gbps(),
-        gemm_gflops={r: gemm_gflops(shapes, r, dtype) for r in sorted(set(rows))},
+        gemm_gflops={r: gemm_gflops(shapes, r, dtype) for r in sorted(set(rows) - {1})},
         weight_bytes=elems * element_size,
         flops_per_token=2.0 * elems,
     )

@@ -126,7 +126,6 @@ def run(
 
     long_prompt = _prompts(engine, 1, prefill_len)[0]
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    engine.cfg.enable_prefix_caching = False
     engine.block_pool.enable_caching = False  # every run must compute the whole prompt
 
     def ours_prefill():

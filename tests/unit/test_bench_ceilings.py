@@ -28,8 +28,9 @@ def _ceilings(read_gbps: float, gemm: dict[int, float]) -> Ceilings:
 
 
 def test_decode_is_bandwidth_bound_at_batch_1_and_compute_bound_when_large():
-    c = _ceilings(read_gbps=25.0, gemm={1: 50.0, 32: 200.0})
+    c = _ceilings(read_gbps=25.0, gemm={8: 120.0, 32: 200.0})
     assert c.decode_tok_s(1) == pytest.approx(50.0)  # 25 GB/s over 0.5 GB of weights per step
+    assert c.decode_tok_s(8) == pytest.approx(400.0)  # still the weights: 2 GFLOP at 120 GFLOP/s is 16.7 ms < 20
     # 32 tokens x 250 MFLOP at 200 GFLOP/s = 40 ms > 20 ms to read the weights
     assert c.decode_tok_s(32) == pytest.approx(800.0)
     assert c.prefill_tok_s(32) == pytest.approx(800.0)
