@@ -65,6 +65,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from loadgen.cli import bench_serve_main
 
         return bench_serve_main(rest)
+    if args.target == "profile":
+        from cluster.bench.step_profile import main as profile_main
+
+        return profile_main(rest)
     if args.target == "kv":
         from cluster.bench.kv import main as kv_main
 
@@ -108,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
-    b = sub.add_parser("bench", help="benchmarks: engine | serve | kv | cluster | routing | tracing | autoscale",
+    b = sub.add_parser("bench", help="benchmarks: engine | profile | serve | kv | cluster | routing | tracing | autoscale",
                        add_help=False)
-    b.add_argument("target", choices=["engine", "serve", "kv", "cluster", "routing", "tracing", "autoscale"])
+    b.add_argument("target", choices=["engine", "profile", "serve", "kv", "cluster", "routing", "tracing", "autoscale"])
 
     sub.add_parser("plan", help="capacity planner (see `duet plan --help`)", add_help=False)
 

@@ -1,0 +1,148 @@
+"""`duet bench profile`: where one engine decode step's time goes.
+
+    duet bench profile [--dtype float32] [--threads 2] [--batches 1 32] [--steps 16] [--json PATH]
+
+For each batch size: that many sequences are prefilled and decoded to a steady state,
+then `steps` decode steps are timed without a profiler (the step time), and again
+under `torch.profiler`. For the profiled steps this tool wraps three engine functions
+in `record_function` scopes, in its own process only (the engine carries no
+profiling code): the model's forward, its paged attention, and the engine's sampling.
+Each op's own time goes to the innermost scope it ran in:
+
+- matmul: the weight matmuls (`mm`/`addmm` in the forward, outside attention);
+- attention: everything inside paged attention (the paged-KV gather and layout,
+  the score and value matmuls, softmax, masking);
+- element-wise: the rest of the forward (norms, RoPE, SiLU, residuals, embedding);
+- sampling: logits to tokens;
+- other ops: the rest (building the step's input tensors).
+
+What the ops do not account for in the profiled step is Python: scheduling, input
+building, bookkeeping and per-op dispatch. The profiler's own overhead lands there
+too, so its share is an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"}
+WARM_STEPS = 6
+CATEGORIES = ("matmul", "attention", "element-wise", "sampling", "other ops", "python and dispatch")
+
+
+SCOPES = {"duet.attention": "attention", "duet.sampling": "sampling", "duet.forward": "element-wise"}
+
+
+def _scope(evt) -> str | None:
+    parent = evt.cpu_parent
+    while parent is not None:
+        if parent.name in SCOPES:
+            return SCOPES[parent.name]
+        parent = parent.cpu_parent
+    return None
+
+
+def _category(evt) -> str:
+    scope = _scope(evt)
+    if scope == "element-wise" and evt.name in MATMULS:
+        return "matmul"
+    return scope or "other ops"
+
+
+def _annotate(owner, name: str, label: str) -> None:
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def scoped(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return fn(*args, **kwargs)
+
+    setattr(owner, name, scoped)
+
+
+def _annotate_engine() -> None:
+    import engine.engine
+    import engine.model
+
+    _annotate(engine.model, "paged_attention", "duet.attention")
+    _annotate(engine.model.LlamaModel, "forward", "duet.forward")
+    _annotate(engine.engine.Engine, "_sample", "duet.sampling")
+
+
+def _prompts(engine: Engine, batch: int, length: int) -> list[list[int]]:
+    base = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog while the band plays on. " * 64)
+    return [base[i : i + length] for i in range(batch)]
+
+
+def profile_batch(engine: Engine, batch: int, steps: int, prompt_len: int = 32) -> dict:
+    sp = SamplingParams(max_tokens=WARM_STEPS + 2 * steps + 8, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, sp) for p in _prompts(engine, batch, prompt_len)]
+    for _ in range(WARM_STEPS):  # the prompts' prefill, then decode at the full batch
+        engine.step()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        profiled_s = (time.perf_counter() - t0) / steps
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    ms: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CPU and not evt.is_user_annotation:
+            ms[_category(evt)] += evt.self_cpu_time_total / 1e3 / steps
+    ops_ms = sum(ms.values())
+    ms["python and dispatch"] = max(0.0, profiled_s * 1e3 - ops_ms)
+    return {
+        "batch": batch,
+        "step_ms": statistics.median(walls) * 1e3,
+        "profiled_step_ms": profiled_s * 1e3,
+        "ms": {c: round(ms.get(c, 0.0), 3) for c in CATEGORIES},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="duet bench profile", description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engine = Engine(EngineConfig(dtype=args.dtype, device="cpu"))
+    _annotate_engine()
+    rows = [profile_batch(engine, b, args.steps) for b in args.batches]
+    print(f"one decode step, {args.dtype}, {args.threads} threads, ms (median step unprofiled; "
+          f"the split from the profiled steps)")
+    print(f"{'batch':>6}{'step':>8}{'profiled':>10}" + "".join(f"{c[:12]:>14}" for c in CATEGORIES))
+    for r in rows:
+        print(f"{r['batch']:>6}{r['step_ms']:>8.1f}{r['profiled_step_ms']:>10.1f}"
+              + "".join(f"{r['ms'][c]:>14.1f}" for c in CATEGORIES))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "threads": args.threads, "rows": rows}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
