@@ -6,7 +6,8 @@ Greedy output equals the single-process engine's; each pool runs on its own node
 the transfer is counted there (each node's own metrics agent); the prefix index and
 the KV tier live in a Redis reached over the bridge. Then the decode node is killed
 mid-stream: the stream ends with a clear error (no hang), the prefill node's leases
-go back to zero, and once the node is back the cluster serves again.
+go back to zero, the gateway keeps answering (a new chat gets a clear 503), and once
+the node is back the cluster serves exactly again.
 """
 
 from __future__ import annotations
@@ -120,6 +121,15 @@ def test_losing_the_decode_node_mid_stream_errors_and_the_cluster_recovers(duet,
         return "ray_duet_kv_leases_active" in s and total(s, "ray_duet_kv_leases_active") == 0
 
     wait_for(no_leases, 60, "the prefill node's leases back to zero")
+
+    # Meanwhile the cluster still answers: the gateway, and a new chat with a clear
+    # error (a 503 once no decode replica has started it within its lease; a 500 if
+    # Serve still routed it to the lost replica, twice), never a hang.
+    assert httpx.get(f"{duet.url}/v1/models", timeout=30).status_code == 200
+    r = httpx.post(f"{duet.url}/v1/chat/completions", timeout=120, json={**body, "stream": False, "max_tokens": 8})
+    assert r.status_code in (500, 503), r.text
+    assert "decode" in r.json()["error"]["message"]
+    wait_for(no_leases, 60, "the prefill node's leases back to zero again")
 
     mn.start_node("decode")  # a new node; Serve places the decode replica there
 
