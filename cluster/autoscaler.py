@@ -1,10 +1,10 @@
 """The goodput policy inside Ray Serve: an application-level autoscaling policy.
 
 Serve's controller calls `GoodputAutoscaler` (configured from the generated Serve
-config's `autoscaling_policy.policy_kwargs`: the cluster config) on every control-loop tick with the
-autoscaling context of each deployment of the app: replicas running and asked for,
-and what each replica's `record_autoscaling_stats()` last reported. It turns those
-into the pure policy's view (autoscaling/policy.py), returns each pool's replica
+config's `autoscaling_policy.policy_kwargs`: the cluster config) on every
+control-loop tick with the autoscaling context of each deployment of the app:
+replicas running and asked for, and what each replica's `record_autoscaling_stats()`
+last reported. It turns those into the pure policy's view (autoscaling/policy.py), returns each pool's replica
 count, and records the decision as metrics. A pool with `policy: queue` gets Serve's
 own rule here (an app-level policy replaces the deployments' own).
 """
@@ -44,7 +44,8 @@ class GoodputAutoscaler:
             elif pool.scaling == "goodput":
                 a = pool.autoscaling
                 goodput[name] = PoolPolicy(name, a, a.load_profile(), pool.num_cpus, pool.num_gpus)
-        slo, budget = SLOConfig.model_validate(config.get("slo") or {}), BudgetConfig.model_validate(config.get("budget") or {})
+        slo = SLOConfig.model_validate(config.get("slo") or {})
+        budget = BudgetConfig.model_validate(config.get("budget") or {})
         self.policy = GoodputPolicy(goodput, slo, budget)
         self._first_seen: dict[str, float] = {}
         self._recorder: metrics.Recorder | None = None

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
-    b = sub.add_parser("bench", help="benchmarks: engine | profile | serve | kv | cluster | routing | tracing | autoscale",
+    b = sub.add_parser("bench",
+                       help="benchmarks: engine | profile | serve | kv | cluster | routing | tracing | autoscale",
                        add_help=False)
     b.add_argument("target", choices=["engine", "profile", "serve", "kv", "cluster", "routing", "tracing", "autoscale"])
 

@@ -4,7 +4,8 @@ Every section is the model of the room that reads it (`engine:` engine/config.py
 `transfer:` kvtransfer/config.py, `router:` routing/router/policy.py, `cache:`
 prefill/kv_tier/config.py, `gateway:` routing/openai/config.py, `telemetry:`
 telemetry/config.py); the pools' sizing and placement is cluster/pools.py. This
-module adds the checks that span rooms and is where YAML and flags enter. Every error names its field (e.g. ``prefill.num_cpus``).
+module adds the checks that span rooms and is where YAML and flags enter. Every
+error names its field (e.g. ``prefill.num_cpus``).
 """
 
 from __future__ import annotations

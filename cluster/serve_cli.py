@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 from cluster.config import ClusterConfig, ConfigError, load_config
 from engine.weights import served_model_name
@@ -113,7 +114,7 @@ def _read_serve_config(path: str) -> tuple[dict, ClusterConfig]:
 
     from cluster.serve_config import cluster_config_of
 
-    config = yaml.safe_load(open(path))
+    config = yaml.safe_load(Path(path).read_text())
     if not isinstance(config, dict):
         raise ValueError(f"{path}: a Serve config must be a mapping")
     return config, cluster_config_of(config)
