@@ -40,7 +40,7 @@ class BenchPoint:
     hf_runs: list[float]
 
 
-def _prompts(engine: Engine, batch: int, length: int) -> list[list[int]]:
+def bench_prompts(engine: Engine, batch: int, length: int) -> list[list[int]]:
     base = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog while the band plays on. " * 64)
     return [base[i : i + length] for i in range(batch)]
 
@@ -109,7 +109,7 @@ def run(
         print(f"  {name:12s} ours {ours:8.1f} tok/s   hf {hf_rate or 0:8.1f} tok/s", flush=True)
 
     for batch in batches:
-        prompts = _prompts(engine, batch, prompt_len)
+        prompts = bench_prompts(engine, batch, prompt_len)
 
         def ours_fn(prompts=prompts):
             engine.generate(prompts, sp)
@@ -124,7 +124,7 @@ def run(
 
         point(f"decode_b{batch}", batch, prompt_len, output_len, ours_fn, hf_fn, batch * output_len)
 
-    long_prompt = _prompts(engine, 1, prefill_len)[0]
+    long_prompt = bench_prompts(engine, 1, prefill_len)[0]
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     engine.block_pool.enable_caching = False  # every run must compute the whole prompt
 

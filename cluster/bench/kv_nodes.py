@@ -19,10 +19,13 @@ from cluster.bench.kv import SMOLLM2, pull_series
 from cluster.pools import node_group_resource
 
 
-def _backend_options(name: str) -> dict:
+def _backend(name: str, replica_id: str):
+    """`name`'s backend as a replica on this node makes it, with UCX held to TCP."""
+    from kvtransfer.backends import backend_for
+    from kvtransfer.config import TransferConfig
     from kvtransfer.replica import node_ip
 
-    return {"host": node_ip()} if name == "torch" else {"ucx_tls": "tcp,self"}
+    return backend_for(TransferConfig(backend=name, ucx_tls="tcp,self"), replica_id, "test-model", host=node_ip())
 
 
 @ray.remote
@@ -30,11 +33,9 @@ class _Prefill:
     def __init__(self, name: str):
         import torch
 
-        from kvtransfer.backends import make_backend
-
         torch.set_num_threads(1)
         self.kv = SMOLLM2.filled(seed=1)
-        self.backend = make_backend(name, "bench-prefill", "test-model", **_backend_options(name))
+        self.backend = _backend(name, "bench-prefill")
         self.backend.register(self.kv)
 
     def peer_info(self):
@@ -46,10 +47,8 @@ class _Decode:
     def run(self, name: str, peer, runs: int) -> list[dict]:
         import torch
 
-        from kvtransfer.backends import make_backend
-
         torch.set_num_threads(1)
-        with make_backend(name, "bench-decode", "test-model", **_backend_options(name)) as b:
+        with _backend(name, "bench-decode") as b:
             return [dataclasses.asdict(r) for r in pull_series(b, peer, SMOLLM2, runs, f"{name}/tcp")]
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.bench.engine import bench_prompts
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -81,14 +82,9 @@ def _annotate_engine() -> None:
     _annotate(engine.engine.Engine, "_sample", "duet.sampling")
 
 
-def _prompts(engine: Engine, batch: int, length: int) -> list[list[int]]:
-    base = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog while the band plays on. " * 64)
-    return [base[i : i + length] for i in range(batch)]
-
-
 def profile_batch(engine: Engine, batch: int, steps: int, prompt_len: int = 32) -> dict:
     sp = SamplingParams(max_tokens=WARM_STEPS + 2 * steps + 8, temperature=0, ignore_eos=True)
-    ids = [engine.add_request(p, sp) for p in _prompts(engine, batch, prompt_len)]
+    ids = [engine.add_request(p, sp) for p in bench_prompts(engine, batch, prompt_len)]
     for _ in range(WARM_STEPS):  # the prompts' prefill, then decode at the full batch
         engine.step()
     walls = []
