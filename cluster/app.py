@@ -9,7 +9,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from cluster.config import ClusterConfig, PoolConfig
-from cluster.pools import node_group_resource
+from cluster.pools import placement
 from decode.aggregated import AggregatedServer
 from decode.server import DecodeServer
 from engine.engine import expected_model_fingerprint
@@ -115,7 +115,7 @@ def build_app(cfg: ClusterConfig):
         "graceful_shutdown_timeout_s": cfg.gateway.drain_timeout_s,
     }
     if cfg.gateway.node_group:
-        gateway_opts["ray_actor_options"]["resources"] = {node_group_resource(cfg.gateway.node_group): 1}
+        gateway_opts["ray_actor_options"]["resources"] = placement(cfg.gateway.node_group)
     goodput = cfg.scaled_pools("goodput")
     if goodput:  # the policy reads the gateway's latencies: one replica, reporting
         interval = min(p.autoscaling.signal_interval_s for p in goodput.values())

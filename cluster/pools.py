@@ -28,6 +28,11 @@ def node_group_resource(group: str) -> str:
     return f"duet/{group}"
 
 
+def placement(group: str | None) -> dict[str, int]:
+    """Ray custom resources one replica placed in `group` asks for (None: anywhere)."""
+    return {node_group_resource(group): 1} if group else {}
+
+
 def node_resources(groups: Iterable[str]) -> dict[str, int]:
     """What a Ray node that offers `groups` starts with (`ray start --resources`)."""
     return {node_group_resource(g): NODE_GROUP_UNITS for g in groups}
@@ -68,4 +73,4 @@ class PoolConfig(BaseModel):
 
     def resources(self) -> dict[str, float]:
         """Ray custom resources one replica asks for (its node group's marker)."""
-        return {node_group_resource(self.node_group): 1} if self.node_group else {}
+        return placement(self.node_group)
