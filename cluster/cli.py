@@ -17,6 +17,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--weight-quant", default="none", choices=["none", "int8"], help="int8: weight-only int8 (CPU)")
 
 
 def cmd_generate(args) -> int:
@@ -33,7 +34,8 @@ def cmd_generate(args) -> int:
         )
         if args.threads:
             torch.set_num_threads(args.threads)
-        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                     weight_quant=args.weight_quant))
         prompt = args.prompt
         if not args.raw:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -93,6 +95,10 @@ def cmd_bench(args, rest: list[str]) -> int:
         from cluster.bench.routing import main as routing_main
 
         return routing_main(rest)
+    if args.target == "efficiency":
+        from cluster.bench.serving import main as efficiency_main
+
+        return efficiency_main(rest)
     raise SystemExit(f"unknown bench target {args.target!r}")
 
 
@@ -112,10 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
-    b = sub.add_parser("bench",
-                       help="benchmarks: engine | profile | serve | kv | cluster | routing | tracing | autoscale",
-                       add_help=False)
-    b.add_argument("target", choices=["engine", "profile", "serve", "kv", "cluster", "routing", "tracing", "autoscale"])
+    targets = ["engine", "profile", "serve", "efficiency", "kv", "cluster", "routing", "tracing", "autoscale"]
+    b = sub.add_parser("bench", help="benchmarks: " + " | ".join(targets), add_help=False)
+    b.add_argument("target", choices=targets)
 
     sub.add_parser("plan", help="capacity planner (see `duet plan --help`)", add_help=False)
 

@@ -4,6 +4,11 @@ Every mutation (add, abort, import, release) is a command executed on the engine
 thread between steps, so the engine itself needs no locks. Outputs go to one
 asyncio queue per request; a consumer drains everything that is ready at once, so
 tokens produced while it was busy travel together (one streamed item, not many).
+
+`stream_interval` (the engine config's) makes that a floor: after the first item,
+each item waits for that many outputs (or the end). Every streamed item costs CPU
+in the replica, the gateway, Serve's proxy and the client, and on a small machine
+those cores are the engine's (docs/benchmarks.md, serving efficiency).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.stream_interval = engine.cfg.stream_interval
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -142,11 +148,16 @@ class AsyncEngine:
 
     async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[list[RequestOutput]]:
         finished = False
+        first = True
         try:
             while not finished:
                 batch = [await q.get()]
                 while not q.empty():
                     batch.append(q.get_nowait())
+                if not first:  # the first item (the first token: TTFT) never waits
+                    while len(batch) < self.stream_interval and not _ends_stream(batch[-1]):
+                        batch.append(await q.get())
+                first = False
                 for item in batch:
                     if isinstance(item, BaseException):
                         raise EngineDead(str(item))
@@ -176,6 +187,10 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
+
+
+def _ends_stream(item: RequestOutput | BaseException) -> bool:
+    return isinstance(item, BaseException) or item.error is not None or item.finished
 
 
 def start_engine(cfg: EngineConfig, role: Role, threads: int) -> AsyncEngine:

@@ -100,6 +100,9 @@ class EngineConfig(BaseModel):
     served_model_name: str | None = None
     dtype: DTypeName = "auto"
     device: str = "auto"
+    # "int8": linear weights as int8 with per-channel scales (engine/quant.py), CPU
+    # only. Batch-1 decode reads half of bf16's bytes; outputs differ slightly.
+    weight_quant: Literal["none", "int8"] = "none"
     block_size: int = Field(16, gt=0)
     max_num_seqs: int = Field(32, gt=0)
     max_num_batched_tokens: int = Field(512, gt=0)
@@ -108,6 +111,9 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=2)
     kv_cache_bytes: int | None = Field(None, gt=0)
     enable_prefix_caching: bool = True
+    # Outputs per streamed item after the first (engine/async_engine.py): 1 sends
+    # every token as it comes; more trades smoothness for CPU at high concurrency.
+    stream_interval: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _limits(self) -> EngineConfig:

@@ -26,6 +26,7 @@ from engine.hashing import model_fingerprint
 from engine.kv_events import KVEvent
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
+from engine.quant import activation_dtype
 from engine.request import FinishReason, Request, RequestMetrics, RequestOutput, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequest, SamplingParams
@@ -62,8 +63,9 @@ class GenerationResult:
 def expected_model_fingerprint(cfg: EngineConfig) -> str:
     """`Engine.model_fingerprint` of an engine built from `cfg`, without loading it
     (routers hash prompts with it before any replica reports its own)."""
-    dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
-    return model_fingerprint(resolve_checkpoint(cfg.model).model_id, dtype)
+    device = resolve_device(cfg.device)
+    dtype = activation_dtype(cfg.weight_quant, cfg.dtype, resolve_dtype(cfg.dtype, device), device)
+    return model_fingerprint(resolve_checkpoint(cfg.model).model_id, dtype, cfg.weight_quant)
 
 
 class Engine:
@@ -75,13 +77,13 @@ class Engine:
         self.cfg = cfg
         self.role = role
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.dtype = activation_dtype(cfg.weight_quant, cfg.dtype, resolve_dtype(cfg.dtype, self.device), self.device)
         self.checkpoint = resolve_checkpoint(cfg.model)
         self.tokenizer = load_tokenizer(cfg.model)
 
         if model is None:
             model_cfg, state = load_checkpoint(self.checkpoint, self.dtype)
-            model = LlamaModel(model_cfg, state, self.dtype, self.device)
+            model = LlamaModel(model_cfg, state, self.dtype, self.device, cfg.weight_quant)
         model_cfg = model.cfg
         self.dtype, self.device = model.dtype, model.device
         if cfg.max_model_len > model_cfg.max_position_embeddings:
@@ -120,7 +122,7 @@ class Engine:
     @property
     def model_fingerprint(self) -> str:
         """Part of every block hash: KV from another model or dtype never matches."""
-        return model_fingerprint(self.checkpoint.model_id, self.dtype)
+        return model_fingerprint(self.checkpoint.model_id, self.dtype, self.cfg.weight_quant)
 
     # ------------------------------------------------------------ external KV
     def attach_external_kv(self, cache: ExternalKVCache | None) -> None:

@@ -42,8 +42,10 @@ def block_hashes(
     return out
 
 
-def model_fingerprint(model_id: str, dtype: object) -> str:
-    """The hash salt of a model's blocks: KV from another model or dtype never matches.
+def model_fingerprint(model_id: str, dtype: object, weight_quant: str = "none") -> str:
+    """The hash salt of a model's blocks: KV from another model, dtype or weight
+    quantization never matches.
 
     `dtype` is a torch dtype or its name (``torch.float32`` or ``"float32"``)."""
-    return f"{model_id}|{str(dtype).removeprefix('torch.')}"
+    fp = f"{model_id}|{str(dtype).removeprefix('torch.')}"
+    return fp if weight_quant == "none" else f"{fp}|w{weight_quant}"

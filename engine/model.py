@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
+from engine.quant import WeightQuant, matmul, maybe_quantize
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -53,7 +54,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaModel:
     """Owns the weights (fused, in the engine's dtype and device) and runs one step."""
 
-    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str):
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
+                 weight_quant: WeightQuant = "none"):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -61,8 +63,9 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             return state.pop(name).to(device=device, dtype=dtype).contiguous()
 
-        def take_t(*names: str) -> torch.Tensor:  # fused along `out`, stored [in, out]
-            return torch.cat([state.pop(n) for n in names]).to(device=device, dtype=dtype).t().contiguous()
+        def take_t(*names: str):  # fused along `out`, stored [in, out] (or int8, see engine/quant.py)
+            w = torch.cat([state.pop(n) for n in names]).to(device=device, dtype=dtype).t().contiguous()
+            return maybe_quantize(w, weight_quant, dtype)
 
         self.embed = take("model.embed_tokens.weight")
         self.layers = []
@@ -80,7 +83,7 @@ class LlamaModel:
             )
         self.norm = take("model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-            self.lm_head = self.embed.t().contiguous()  # a transposed copy: see above
+            self.lm_head = maybe_quantize(self.embed.t().contiguous(), weight_quant, dtype)  # a transposed copy
         else:
             self.lm_head = take_t("lm_head.weight")
         # cos/sin for every position, computed once (fp32 math, as HF, then cast).
@@ -110,16 +113,16 @@ class LlamaModel:
         t = input_ids.shape[0]
         for (ln1, w_qkv, w_o, ln2, w_gate_up, w_down), (k_cache, v_cache) in zip(self.layers, kv_layers):
             x = rms_norm(h, ln1, cfg.rms_norm_eps)
-            qkv = x @ w_qkv
+            qkv = matmul(x, w_qkv)
             # RoPE on Q and K together: they are adjacent in the fused projection.
             qk = qkv[:, : self.q_size + self.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             qk = qk * cos + rotate_half(qk) * sin
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + attn @ w_o
+            h = h + matmul(attn, w_o)
             x = rms_norm(h, ln2, cfg.rms_norm_eps)
-            gate, up = (x @ w_gate_up).chunk(2, dim=-1)
-            h = h + (F.silu(gate) * up) @ w_down
+            gate, up = matmul(x, w_gate_up).chunk(2, dim=-1)
+            h = h + matmul(F.silu(gate) * up, w_down)
         h = rms_norm(h[logits_indices], self.norm, cfg.rms_norm_eps)
-        return (h @ self.lm_head).float()
+        return matmul(h, self.lm_head).float()

@@ -107,10 +107,12 @@ class Ceilings:
         return {**asdict(self), "gemm_gflops": {str(k): v for k, v in self.gemm_gflops.items()}}
 
 
-def measure(model_config, dtype: torch.dtype, rows: list[int]) -> Ceilings:
+def measure(model_config, dtype: torch.dtype, rows: list[int], weight_quant: str = "none") -> Ceilings:
+    """`weight_quant="int8"`: the weights are read as one byte each (engine/quant.py);
+    the GEMM ceiling stays the activations' dtype's, since int8 weights save no FLOPs."""
     shapes = matmul_shapes(model_config)
     elems = sum(k * n * count for k, n, count in shapes)
-    element_size = torch.empty((), dtype=dtype).element_size()
+    element_size = 1 if weight_quant == "int8" else torch.empty((), dtype=dtype).element_size()
     return Ceilings(
         cpu_flags=cpu_flags(),
         threads=torch.get_num_threads(),

@@ -75,16 +75,18 @@ def run(
     repeats: int = 3,
     with_hf: bool = True,
     threads: int | None = None,
+    weight_quant: str = "none",
 ) -> dict:
     if threads:
         torch.set_num_threads(threads)
-    engine = Engine(EngineConfig(dtype=dtype, device=device, max_num_batched_tokens=max(prefill_len, 2048)))
+    engine = Engine(EngineConfig(dtype=dtype, device=device, max_num_batched_tokens=max(prefill_len, 2048),
+                                 weight_quant=weight_quant))
     hf = _load_hf(engine) if with_hf else None
     dtype_name = str(engine.dtype).removeprefix("torch.")
     ceilings: dict[str, float] = {}
     measured = None
     if engine.device == "cpu":
-        measured = measure(engine.model_config, engine.dtype, [*batches, prefill_len])
+        measured = measure(engine.model_config, engine.dtype, [*batches, prefill_len], weight_quant)
         ceilings = {f"decode_b{b}": measured.decode_tok_s(b) for b in batches}
         ceilings[f"prefill_{prefill_len}"] = measured.prefill_tok_s(prefill_len)
         print(f"  ceilings: flags {' '.join(measured.cpu_flags) or '-'}; read {measured.read_gbps:.1f} GB/s; "
@@ -147,6 +149,7 @@ def run(
         },
         "model": engine.model_id,
         "dtype": dtype_name,
+        "weight_quant": weight_quant,
         "ceilings": measured.as_dict() if measured else None,
         "repeats": repeats,
         "points": [asdict(p) for p in points],
@@ -154,7 +157,7 @@ def run(
 
 
 def print_table(result: dict) -> None:
-    print(f"\nmodel {result['model']}  dtype {result['dtype']}  device {result['machine']['device']}  "
+    print(f"\nmodel {result['model']}  dtype {result['dtype']}  weights {result.get('weight_quant', 'none')}  device {result['machine']['device']}  "
           f"threads {result['machine']['threads']}  (median of {result['repeats']})")
     c = result.get("ceilings")
     if c:
@@ -177,7 +180,7 @@ def main(args) -> int:
     result = run(
         dtype=args.dtype, device=args.device, prompt_len=args.prompt_len, output_len=args.output_len,
         batches=tuple(args.batches), prefill_len=args.prefill_len, repeats=args.repeats,
-        with_hf=not args.no_hf, threads=args.threads,
+        with_hf=not args.no_hf, threads=args.threads, weight_quant=args.weight_quant,
     )
     print_table(result)
     if args.json:

@@ -1,0 +1,171 @@
+"""`duet bench efficiency`: how much of the engine's speed `duet serve` keeps.
+
+For each closed-loop concurrency (1, 8, 32 by default) the same prompts and forced
+output lengths run three ways, one after another on the same cores:
+
+1. **in-process**: an `Engine` driven directly, `concurrency` requests in flight
+   (a new one added the moment one finishes), no HTTP, no Ray;
+2. **aggregated**: `duet serve --mode aggregated`, driven by `duet bench serve`
+   (loadgen, streaming completions, in its own process) over HTTP;
+3. **disaggregated**: 1 prefill + 1 decode replica, driven the same way.
+
+Efficiency is a mode's output tokens/s over the in-process figure at the same
+concurrency. The aggregated replica gets the threads of both pools, and the
+in-process engine the same count, so every way uses the same cores.
+
+The prompts are loadgen's `random` workload (its seed per point), so the engine
+and the servers see the same words; each point has its own seed, so no point is
+served from an earlier point's prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from cluster import serve_cli
+from cluster.bench.ceilings import cpu_flags
+from cluster.bench.cluster import run_loadgen, summarize
+from cluster.config import load_config
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+MODES = ("aggregated", "disaggregated")
+
+
+def point_prompts(num_prompts: int, input_len: int, output_len: int, seed: int) -> list[str]:
+    """The prompt texts `duet bench serve --seed seed` sends for this workload."""
+    from loadgen.cli import parse_length
+    from loadgen.prompts import PromptBuilder
+    from loadgen.tokenizer import load_tokenizer
+    from loadgen.workloads import WorkloadSpec, build_sessions
+
+    spec = WorkloadSpec(kind="random", num_prompts=num_prompts, input_len=parse_length(str(input_len)),
+                        output_len=parse_length(str(output_len)), seed=seed, ignore_eos=True)
+    sessions = build_sessions(spec, PromptBuilder(load_tokenizer()), 0)
+    return [turn.prompt for s in sessions for turn in s.turns]
+
+
+def closed_loop(engine: Engine, prompts: list[str], output_len: int, concurrency: int) -> dict:
+    """Run `prompts` through `engine` with `concurrency` in flight; loadgen's figures."""
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    todo = list(reversed(prompts))
+    started: dict[str, float] = {}
+    first: dict[str, float] = {}
+    ttft, tpot, out_tokens = [], [], 0
+    t0 = time.perf_counter()
+    while todo or started:
+        while todo and len(started) < concurrency:
+            started[engine.add_request(todo.pop(), sp)] = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            out_tokens += len(out.new_token_ids)
+            if out.new_token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            if out.finished:
+                begin = started.pop(out.request_id)
+                t_first = first.pop(out.request_id, now)
+                ttft.append(1000 * (t_first - begin))
+                tpot.append(1000 * (now - t_first) / max(output_len - 1, 1))
+    wall = time.perf_counter() - t0
+    return {"completed": len(prompts), "failed": 0, "ttft_p50_ms": statistics.median(ttft),
+            "ttft_p99_ms": max(ttft), "tpot_p50_ms": statistics.median(tpot), "tpot_p99_ms": max(tpot),
+            "output_tok_s": out_tokens / wall}
+
+
+def in_process(points: list[tuple[int, list[str]]], output_len: int, threads: int, dtype: str) -> list[dict]:
+    torch.set_num_threads(threads)
+    cfg = load_config(overrides={"engine.dtype": dtype}).engine
+    engine = Engine(cfg)
+    closed_loop(engine, points[0][1][:2], 4, 2)  # warm-up, as loadgen's --warmup
+    rows = []
+    for conc, prompts in points:
+        rows.append(dict(closed_loop(engine, prompts, output_len, conc), concurrency=conc))
+        print(f"  in-process c={conc}: {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
+    return rows
+
+
+def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], input_len: int, output_len: int,
+           threads: int, dtype: str, port: int, stream_interval: int) -> list[dict]:
+    cfg = load_config(overrides={"mode": mode, "gateway.port": port, "engine.dtype": dtype,
+                                 "engine.stream_interval": stream_interval})
+    if mode == "aggregated":  # the same cores as the two pools together
+        cfg.aggregated.threads = threads
+        cfg.aggregated.num_cpus = cfg.prefill.num_cpus + cfg.decode.num_cpus
+    url = serve_cli.start(cfg)
+    rows = []
+    try:
+        for (conc, prompts), seed in zip(points, seeds):
+            with tempfile.TemporaryDirectory() as d:
+                point = run_loadgen(url, Path(d), [
+                    "--concurrency", str(conc), "--num-prompts", str(len(prompts)), "--seed", str(seed),
+                    "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos",
+                    "--warmup", "2"])[0]
+            rows.append(dict(summarize(point), concurrency=conc))
+            print(f"  {mode} c={conc}: {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
+    finally:
+        serve_cli.stop()
+    return rows
+
+
+def table(result: dict) -> str:
+    base = {r["concurrency"]: r for r in result["in_process"]}
+    lines = ["| way | conc | out tok/s | of in-process | TTFT p50 ms | TPOT p50 ms |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for way in ("in_process", *MODES):
+        for r in result.get(way, []):
+            eff = r["output_tok_s"] / base[r["concurrency"]]["output_tok_s"]
+            lines.append(f"| {way} | {r['concurrency']} | {r['output_tok_s']:.1f} | {eff:.0%} | "
+                         f"{r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.1f} |")
+    agg = {r["concurrency"]: r for r in result.get("aggregated", [])}
+    dis = {r["concurrency"]: r for r in result.get("disaggregated", [])}
+    for c in sorted(set(agg) & set(dis)):
+        lines.append(f"\nc={c}: disaggregated/aggregated throughput "
+                     f"{dis[c]['output_tok_s'] / agg[c]['output_tok_s']:.0%}, TTFT p50 "
+                     f"{dis[c]['ttft_p50_ms'] - agg[c]['ttft_p50_ms']:+.0f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="duet bench efficiency", description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-slot", type=int, default=2,
+                   help="requests per point = concurrency x this (at least 4)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2, help="engine threads (the aggregated replica's)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    p.add_argument("--stream-interval", type=int, default=1, help="the servers' engine.stream_interval")
+    p.add_argument("--port", type=int, default=8071)
+    p.add_argument("--json", default="out/bench_efficiency.json")
+    a = p.parse_args(argv)
+    seeds = [1000 + c for c in a.concurrency]
+    points = [(c, point_prompts(max(4, c * a.requests_per_slot), a.input_len, a.output_len, s))
+              for c, s in zip(a.concurrency, seeds)]
+    result: dict = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
+                    "torch": torch.__version__, "threads": a.threads},
+        "workload": {"input_len": a.input_len, "output_len": a.output_len, "dtype": a.dtype,
+                     "stream_interval": a.stream_interval,
+                     "requests": {c: len(ps) for c, ps in points}},
+    }
+    print("in-process engine", flush=True)
+    result["in_process"] = in_process(points, a.output_len, a.threads, a.dtype)
+    for mode in a.modes:
+        print(mode, flush=True)
+        result[mode] = served(mode, points, seeds, a.input_len, a.output_len, a.threads, a.dtype, a.port,
+                              a.stream_interval)
+    print(table(result))
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(result, indent=2))
+    print(f"wrote {a.json}")
+    return 0

@@ -1,0 +1,81 @@
+"""Weight-only int8: the linear weights stored as int8 with one scale per output
+channel, multiplied by activations in the engine's dtype.
+
+Batch-1 decode reads every weight once per token, so it is bound by memory
+bandwidth: int8 weights read a quarter of fp32's bytes and half of bf16's. The
+activations stay in the engine's dtype, and the product uses PyTorch's own
+weight-only kernel (`aten._weight_int8pack_mm`, the one gpt-fast and torchao use
+on CPU).
+
+The embedded checkpoint's weights are already 4-bit GGUF dequantized, so a
+symmetric per-channel int8 copy (127 levels per sign) adds little error on top:
+tests/unit/test_quant.py holds the engine to the fp32 path within a stated
+tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import torch
+
+from engine.config import ConfigError
+
+WeightQuant = Literal["none", "int8"]
+
+
+def activation_dtype(quant: WeightQuant, dtype_name: str, dtype: torch.dtype, device: str) -> torch.dtype:
+    """The engine's dtype given its weight quantization; a clear error where the
+    combination has no fast kernel. PyTorch's int8 weight-only kernel is fast on the
+    CPU with bf16 activations only (with fp32 ones it measured 2-14x slower than
+    dense fp32, docs/benchmarks.md), so `auto` means bf16 with int8 weights."""
+    if quant == "none":
+        return dtype
+    if device != "cpu":
+        raise ConfigError("weight_quant", f"{quant!r} weights run on the CPU only, not {device}")
+    if dtype_name == "auto":
+        return torch.bfloat16
+    if dtype != torch.bfloat16:
+        raise ConfigError("weight_quant", f"{quant!r} weights need bfloat16 activations (dtype auto or bfloat16), "
+                                          f"not {dtype_name}: PyTorch's int8 kernel has no fast path for them")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A `[in, out]` linear weight as int8 `[out, in]` plus fp scales `[out]`."""
+
+    qweight: torch.Tensor  # int8 [out, in], contiguous (the kernel's layout)
+    scales: torch.Tensor  # [out], in the activations' dtype
+
+    @classmethod
+    def quantize(cls, w_in_out: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+        w = w_in_out.t().float()  # [out, in]
+        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        return cls(q, scales.to(dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+    def dequantize(self) -> torch.Tensor:
+        """The `[in, out]` weight this stands for, in the scales' dtype."""
+        return (self.qweight.float() * self.scales.float()[:, None]).t().to(self.scales.dtype)
+
+
+Linear = Union[torch.Tensor, Int8Weight]
+
+
+def matmul(x: torch.Tensor, w: Linear) -> torch.Tensor:
+    """`x @ w` for a dense `[in, out]` weight or its int8 form."""
+    if isinstance(w, Int8Weight):
+        lead = x.shape[:-1]
+        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), w.qweight, w.scales)
+        return out.reshape(*lead, out.shape[-1])
+    return x @ w
+
+
+def maybe_quantize(w_in_out: torch.Tensor, quant: WeightQuant, dtype: torch.dtype) -> Linear:
+    return Int8Weight.quantize(w_in_out, dtype) if quant == "int8" else w_in_out
