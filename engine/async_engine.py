@@ -93,13 +93,18 @@ class AsyncEngine:
                 fut.set_exception(e)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        # One hand-off per event loop per step, not one per output: each
+        # call_soon_threadsafe wakes the loop through its self-pipe.
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is not None:
                 loop, q = target
-                loop.call_soon_threadsafe(q.put_nowait, out)
+                deliveries.setdefault(loop, []).append((q, out))
             if out.finished:
                 self._streams.pop(out.request_id, None)
+        for loop, items in deliveries.items():
+            loop.call_soon_threadsafe(_deliver, items)
         events = self.engine.take_kv_events()
         if events:
             with self._events_lock:
@@ -187,6 +192,11 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _ends_stream(item: RequestOutput | BaseException) -> bool:

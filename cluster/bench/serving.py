@@ -10,8 +10,10 @@ output lengths run three ways, one after another on the same cores:
 3. **disaggregated**: 1 prefill + 1 decode replica, driven the same way.
 
 Efficiency is a mode's output tokens/s over the in-process figure at the same
-concurrency. The aggregated replica gets the threads of both pools, and the
-in-process engine the same count, so every way uses the same cores.
+concurrency. Each way gets its best thread count on this machine: the in-process
+engine `--threads` (2 on 2 cores), the aggregated replica `--served-threads` (1:
+beside the gateway, Serve's proxy, Ray and the client, a second OpenMP thread made
+it slower, docs/benchmarks.md), and each disaggregated pool its configured one.
 
 The prompts are loadgen's `random` workload (its seed per point), so the engine
 and the servers see the same words; each point has its own seed, so no point is
@@ -94,11 +96,11 @@ def in_process(points: list[tuple[int, list[str]]], output_len: int, threads: in
 
 
 def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], input_len: int, output_len: int,
-           threads: int, dtype: str, port: int, stream_interval: int) -> list[dict]:
+           served_threads: int, dtype: str, port: int, stream_interval: int) -> list[dict]:
     cfg = load_config(overrides={"mode": mode, "gateway.port": port, "engine.dtype": dtype,
                                  "engine.stream_interval": stream_interval})
     if mode == "aggregated":  # the same cores as the two pools together
-        cfg.aggregated.threads = threads
+        cfg.aggregated.threads = served_threads
         cfg.aggregated.num_cpus = cfg.prefill.num_cpus + cfg.decode.num_cpus
     url = serve_cli.start(cfg)
     rows = []
@@ -141,7 +143,8 @@ def main(argv: list[str]) -> int:
                    help="requests per point = concurrency x this (at least 4)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2, help="engine threads (the aggregated replica's)")
+    p.add_argument("--threads", type=int, default=2, help="the in-process engine's threads")
+    p.add_argument("--served-threads", type=int, default=1, help="the aggregated replica's threads")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--stream-interval", type=int, default=1, help="the servers' engine.stream_interval")
@@ -153,7 +156,7 @@ def main(argv: list[str]) -> int:
               for c, s in zip(a.concurrency, seeds)]
     result: dict = {
         "machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
-                    "torch": torch.__version__, "threads": a.threads},
+                    "torch": torch.__version__, "threads": a.threads, "served_threads": a.served_threads},
         "workload": {"input_len": a.input_len, "output_len": a.output_len, "dtype": a.dtype,
                      "stream_interval": a.stream_interval,
                      "requests": {c: len(ps) for c, ps in points}},
@@ -162,7 +165,7 @@ def main(argv: list[str]) -> int:
     result["in_process"] = in_process(points, a.output_len, a.threads, a.dtype)
     for mode in a.modes:
         print(mode, flush=True)
-        result[mode] = served(mode, points, seeds, a.input_len, a.output_len, a.threads, a.dtype, a.port,
+        result[mode] = served(mode, points, seeds, a.input_len, a.output_len, a.served_threads, a.dtype, a.port,
                               a.stream_interval)
     print(table(result))
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
