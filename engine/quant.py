@@ -1,11 +1,11 @@
 """Weight-only int8: the linear weights stored as int8 with one scale per output
-channel, multiplied by activations in the engine's dtype.
+channel, multiplied by bf16 activations.
 
 Batch-1 decode reads every weight once per token, so it is bound by memory
 bandwidth: int8 weights read a quarter of fp32's bytes and half of bf16's. The
-activations stay in the engine's dtype, and the product uses PyTorch's own
-weight-only kernel (`aten._weight_int8pack_mm`, the one gpt-fast and torchao use
-on CPU).
+activations stay in bf16, and the product is PyTorch's own CPU kernel for
+weight-only int8 (`aten._weight_int8pack_mm`), so no weight is dequantized in
+memory.
 
 The embedded checkpoint's weights are already 4-bit GGUF dequantized, so a
 symmetric per-channel int8 copy (127 levels per sign) adds little error on top:
