@@ -7,6 +7,8 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
 
 

@@ -10,6 +10,8 @@ from engine.config import ConfigError, EngineConfig
 from engine.engine import Engine, expected_model_fingerprint
 from engine.quant import Int8Weight, activation_dtype, matmul
 
+pytestmark = pytest.mark.unit
+
 # An int8 copy of the 4-bit GGUF weights, bf16 activations, against fp32, teacher-forced
 # over 109 tokens of prose: measured 97.2% top-1 agreement and at most 0.24 nats on the
 # reference's chosen token (fp32 activations: 98.2%, 0.13).
