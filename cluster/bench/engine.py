@@ -157,8 +157,9 @@ def run(
 
 
 def print_table(result: dict) -> None:
-    print(f"\nmodel {result['model']}  dtype {result['dtype']}  weights {result.get('weight_quant', 'none')}  device {result['machine']['device']}  "
-          f"threads {result['machine']['threads']}  (median of {result['repeats']})")
+    print(f"\nmodel {result['model']}  dtype {result['dtype']}  weights {result.get('weight_quant', 'none')}  "
+          f"device {result['machine']['device']}  threads {result['machine']['threads']}  "
+          f"(median of {result['repeats']})")
     c = result.get("ceilings")
     if c:
         gemm = ", ".join(f"{r} rows {g:.0f}" for r, g in c["gemm_gflops"].items())

@@ -31,14 +31,15 @@ def test_quantize_round_trip_is_within_half_a_step_per_channel():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_multiplies_like_the_dequantized_weight(dtype):
+@pytest.mark.parametrize("rows", [(1,), (4, 8), (5, 16)])  # the int8 kernel (<= 64 rows), then dequantized
+def test_the_kernel_multiplies_like_the_dequantized_weight(dtype, rows):
     torch.manual_seed(0)
     w = torch.randn(576, 960)
-    x = torch.randn(3, 5, 576).to(dtype)
+    x = torch.randn(*rows, 576).to(dtype)
     q = Int8Weight.quantize(w, dtype)
     got = matmul(x, q)
     want = x.float() @ q.dequantize().float()
-    assert got.shape == (3, 5, 960) and got.dtype == dtype
+    assert got.shape == (*rows, 960) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-1 if dtype == torch.bfloat16 else 1e-3)
 
 
