@@ -71,7 +71,8 @@ Linear = Union[torch.Tensor, Int8Weight]
 # Above this many rows (a prefill chunk) the int8 kernel loses to dequantizing into
 # a dense GEMM. Measured in bf16: with 32 rows the kernel ran 225 tok/s against 143
 # dequantizing each step's weights; for a 512-token prefill it ran 615 against
-# 2,007. The crossover lies between; 64 is a guess inside that range.
+# 2,007 (that dequantize went through fp32; the bf16 one below is cheaper). The
+# crossover lies between; 64 is a guess inside that range.
 INT8_KERNEL_MAX_ROWS = 64
 
 
