@@ -56,10 +56,6 @@ class Int8Weight:
         q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         return cls(q, scales.to(dtype))
 
-    @property
-    def nbytes(self) -> int:
-        return self.qweight.nbytes + self.scales.nbytes
-
     def dequantize(self) -> torch.Tensor:
         """The `[in, out]` weight this stands for, in the scales' dtype."""
         return (self.qweight.float() * self.scales.float()[:, None]).t().to(self.scales.dtype)
