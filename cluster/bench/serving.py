@@ -102,7 +102,7 @@ def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], inp
            served_threads: int, dtype: str, port: int, stream_interval: int) -> list[dict]:
     cfg = load_config(overrides={"mode": mode, "gateway.port": port, "engine.dtype": dtype,
                                  "engine.stream_interval": stream_interval})
-    if mode == "aggregated":  # the same cores as the two pools together
+    if mode == "aggregated":  # both pools' CPU reservation; its threads: see the module docstring
         cfg.aggregated.threads = served_threads
         cfg.aggregated.num_cpus = cfg.prefill.num_cpus + cfg.decode.num_cpus
     url = serve_cli.start(cfg)
