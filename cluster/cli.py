@@ -18,6 +18,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--weight-quant", default="none", choices=["none", "int8"], help="int8: weight-only int8 (CPU)")
+    p.add_argument("--decode-attention", default="auto", choices=["auto", "native", "torch"],
+                   help="native: the C++ paged decode kernel (CPU); torch: gather, then matmuls")
 
 
 def cmd_generate(args) -> int:
@@ -35,7 +37,7 @@ def cmd_generate(args) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                     weight_quant=args.weight_quant))
+                                     weight_quant=args.weight_quant, decode_attention=args.decode_attention))
         prompt = args.prompt
         if not args.raw:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

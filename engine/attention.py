@@ -1,8 +1,10 @@
 """Attention over the paged KV cache for one mixed step.
 
 A step's tokens are laid out flat: first one token per decoding sequence, then the
-prefill chunks. Decode tokens are attended in one batched gather over their block
-tables; each prefill chunk attends causally to its cached prefix plus itself.
+prefill chunks. Decode tokens are attended either by the native kernel
+(engine/csrc/paged_decode.cpp), which reads each cached row where it lies, or by
+one batched gather over their block tables and two matmuls; each prefill chunk
+attends causally to its cached prefix plus itself.
 
 KV layout (shared with kvtransfer/ and the LMCache tier): one tensor
 ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``; a block is one
@@ -11,6 +13,7 @@ contiguous region, so a handoff moves whole blocks with one descriptor each.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +34,11 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] offset inside that block
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] long, padded with 0
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks*block_size] additive (0 / -inf)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks*block_size] additive (0 / -inf); torch path
     prefills: list[PrefillChunk]
+    decode_context_lens: torch.Tensor | None = None  # [D] long, the new token included; native path
+    # engine.cpu_kernels' op; None: the torch path (gather, then matmuls).
+    decode_kernel: Callable | None = None
 
 
 def build_decode_mask(context_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -57,7 +63,9 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     d = meta.num_decode_tokens
-    if d:
+    if d and meta.decode_kernel is not None:
+        meta.decode_kernel(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, out[:d], scale)
+    elif d:
         out[:d] = _decode_attention(q[:d], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:
         s, e = chunk.token_start, chunk.token_start + chunk.num_tokens

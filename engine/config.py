@@ -103,6 +103,11 @@ class EngineConfig(BaseModel):
     # "int8": linear weights as int8 with per-channel scales (engine/quant.py), CPU
     # only. Batch-1 decode reads half of bf16's bytes; outputs differ slightly.
     weight_quant: Literal["none", "int8"] = "none"
+    # Decode attention on the CPU: "native" reads the paged KV cache in place with a
+    # C++ kernel built for this CPU on first use (engine/cpu_kernels.py); "torch"
+    # gathers each sequence's blocks, then runs matmuls. "auto": native where it
+    # builds, torch on CUDA or without a compiler.
+    decode_attention: Literal["auto", "native", "torch"] = "auto"
     block_size: int = Field(16, gt=0)
     max_num_seqs: int = Field(32, gt=0)
     max_num_batched_tokens: int = Field(512, gt=0)

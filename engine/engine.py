@@ -18,6 +18,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig, Role, resolve_device, resolve_dtype
+from engine.cpu_kernels import select_decode_kernel
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache, num_blocks_for
 from engine.kv_cache_manager import KVCacheManager
@@ -98,7 +99,7 @@ class Engine:
 
         num_blocks = num_blocks_for(cfg, model_cfg, self.dtype)
         self.kv_cache = KVCache(model_cfg, num_blocks, cfg.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(model, self.kv_cache, cfg.block_size)
+        self.runner = ModelRunner(model, self.kv_cache, cfg.block_size, select_decode_kernel(cfg.decode_attention, self.device))
         self.block_pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, cfg.block_size, self.model_fingerprint)
         self.scheduler = Scheduler(self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)

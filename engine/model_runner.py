@@ -8,6 +8,8 @@ are laid out decodes first (one token each), then prefill chunks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, build_decode_mask
@@ -19,11 +21,13 @@ from engine.scheduler import SchedulerOutput
 class ModelRunner:
     """Owns the model and the KV cache tensor of one engine."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int,
+                 decode_kernel: Callable | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
+        self.decode_kernel = decode_kernel  # None: decode attention on the torch path
 
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """Logits ([rows that sample, vocab]) of one scheduled batch; writes its KV."""
@@ -67,13 +71,14 @@ class ModelRunner:
             slot_blocks[ch.token_start : ch.token_start + ch.num_tokens] = ch.block_table[p // bs]
         slot_offsets = positions % bs
 
-        tables = mask = None
+        tables = mask = lens = None
         if d:
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
             lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
-            mask = build_decode_mask(lens, width * bs, torch.float32)
-        meta = AttentionMetadata(slot_blocks, slot_offsets, d, tables, mask, chunks)
+            if self.decode_kernel is None:
+                mask = build_decode_mask(lens, width * bs, torch.float32)
+        meta = AttentionMetadata(slot_blocks, slot_offsets, d, tables, mask, chunks, lens, self.decode_kernel)
 
         logits_idx: list[int] = []
         row = 0

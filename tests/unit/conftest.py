@@ -1,10 +1,23 @@
 """One fp32 model per test session; each test builds cheap engines around it."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+
+_HERE = Path(__file__).parent
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # Every test under tests/unit/ is a unit test, marked or not: CI selects the unit
+    # step with `-m unit`, and a file that forgot its marker was silently skipped.
+    for item in items:
+        if _HERE in item.path.parents:
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,12 @@
-"""Paged attention over scattered blocks equals dense causal attention."""
+"""Paged attention over scattered blocks equals dense causal attention, on the torch
+path and with the native decode kernel."""
 
 import pytest
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, build_decode_mask, paged_attention
+from engine.config import ConfigError
+from engine.cpu_kernels import load_paged_decode, select_decode_kernel
 
 pytestmark = pytest.mark.unit
 
@@ -21,7 +24,17 @@ def dense(q, k, v, scale):
     return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v).reshape(n, H * D)
 
 
-def test_mixed_step_matches_dense():
+@pytest.fixture(params=["torch", "native"])
+def decode_kernel(request):
+    if request.param == "torch":
+        return None
+    kernel = load_paged_decode()
+    if kernel is None:
+        pytest.skip("no C++ toolchain here to build the native kernel")
+    return kernel
+
+
+def test_mixed_step_matches_dense(decode_kernel):
     g = torch.Generator().manual_seed(0)
     k_cache = torch.zeros(NB, BS, HKV, D)
     v_cache = torch.zeros(NB, BS, HKV, D)
@@ -54,6 +67,8 @@ def test_mixed_step_matches_dense():
         dec_tables,
         build_decode_mask(torch.tensor([10, 15]), 4 * BS, torch.float32),
         [PrefillChunk(2, 7, 5, tables[2])],
+        torch.tensor([10, 15]),
+        decode_kernel,
     )
     out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale)
     expect = torch.cat(
@@ -64,3 +79,36 @@ def test_mixed_step_matches_dense():
         ]
     )
     torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_decode_matches_fp64(dtype):
+    """The kernel reads the strided per-layer view of the real pool layout, with rows of
+    q strided as in the fused QKV projection, over contexts that end mid-block."""
+    kernel = load_paged_decode()
+    if kernel is None:
+        pytest.skip("no C++ toolchain here to build the native kernel")
+    g = torch.Generator().manual_seed(1)
+    layers, seqs = 3, 5
+    pool = torch.randn(NB, layers, 2, BS, HKV, D, generator=g).to(dtype)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    lens = torch.tensor([1, 4, 5, 13, 32])
+    width = 8  # blocks per table row, padded
+    tables = torch.randperm(NB, generator=g)[: seqs * width].view(seqs, width)
+    qkv = torch.randn(seqs, H + 2 * HKV, D, generator=g).to(dtype)
+    q = qkv[:, :H]
+    out = torch.full((seqs, H * D), float("nan"), dtype=dtype)
+    kernel(q, k_cache, v_cache, tables, lens, out, D**-0.5)
+    for i, n in enumerate(lens.tolist()):
+        k = k_cache.double()[tables[i]].flatten(0, 1)[:n]
+        v = v_cache.double()[tables[i]].flatten(0, 1)[:n]
+        expect = dense(q[i : i + 1].double(), k, v, D**-0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[i : i + 1].double(), expect, atol=tol, rtol=tol)
+
+
+def test_decode_kernel_choice():
+    assert select_decode_kernel("torch", "cpu") is None
+    assert select_decode_kernel("auto", "cuda") is None
+    with pytest.raises(ConfigError, match="decode_attention"):
+        select_decode_kernel("native", "cuda")
