@@ -67,17 +67,18 @@ def load_paged_decode() -> Callable | None:
     if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin):
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
-        module = load(
+        load(
             name=_module_name(),
             sources=[str(_SOURCE)],
             extra_cflags=_CFLAGS,
             extra_ldflags=_LDFLAGS,
             verbose=bool(os.environ.get("DUET_KERNEL_BUILD_VERBOSE")),
+            is_python_module=False,  # the library registers torch.ops.duet.*
         )
     except Exception as e:  # no compiler, no ninja, a build error: the torch path still works
         log.warning("native paged decode attention unavailable, using the torch path: %s", e)
         return None
-    return module.paged_decode_attention
+    return torch.ops.duet.paged_decode_attention
 
 
 def select_decode_kernel(choice: str, device: str) -> Callable | None:

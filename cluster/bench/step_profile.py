@@ -1,6 +1,7 @@
 """`duet bench profile`: where one engine decode step's time goes.
 
-    duet bench profile [--dtype float32] [--threads 2] [--batches 1 32] [--steps 16] [--json PATH]
+    duet bench profile [--dtype float32] [--threads 2] [--batches 1 32] [--steps 16]
+                       [--prompt-len 32] [--decode-attention auto|native|torch] [--json PATH]
 
 For each batch size: that many sequences are prefilled and decoded to a steady state,
 then `steps` decode steps are timed without a profiler (the step time), and again
@@ -121,21 +122,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=32, help="context of the profiled steps starts here")
+    p.add_argument("--decode-attention", default="auto", choices=["auto", "native", "torch"])
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(dtype=args.dtype, device="cpu"))
+    engine = Engine(EngineConfig(dtype=args.dtype, device="cpu", decode_attention=args.decode_attention))
+    backend = "native" if engine.runner.decode_kernel is not None else "torch"
     _annotate_engine()
-    rows = [profile_batch(engine, b, args.steps) for b in args.batches]
-    print(f"one decode step, {args.dtype}, {args.threads} threads, ms (median step unprofiled; "
-          f"the split from the profiled steps)")
+    rows = [profile_batch(engine, b, args.steps, args.prompt_len) for b in args.batches]
+    print(f"one decode step, {args.dtype}, {args.threads} threads, {backend} decode attention, prompt "
+          f"{args.prompt_len}, ms (median step unprofiled; the split from the profiled steps)")
     print(f"{'batch':>6}{'step':>8}{'profiled':>10}" + "".join(f"{c[:12]:>14}" for c in CATEGORIES))
     for r in rows:
         print(f"{r['batch']:>6}{r['step_ms']:>8.1f}{r['profiled_step_ms']:>10.1f}"
               + "".join(f"{r['ms'][c]:>14.1f}" for c in CATEGORIES))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "threads": args.threads, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "threads": args.threads, "decode_attention": backend,
+                                                 "prompt_len": args.prompt_len, "rows": rows}, indent=2))
         print(f"wrote {args.json}")
     return 0
 

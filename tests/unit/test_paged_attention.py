@@ -21,7 +21,7 @@ def dense(q, k, v, scale):
     s = torch.einsum("nhd,lhd->hnl", q, k) * scale
     qpos = torch.arange(L - n, L)[:, None]
     s = s.masked_fill(torch.arange(L)[None, :] > qpos, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v).reshape(n, H * D)
+    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v).reshape(n, -1)
 
 
 @pytest.fixture(params=["torch", "native"])
@@ -82,27 +82,35 @@ def test_mixed_step_matches_dense(decode_kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_native_decode_matches_fp64(dtype):
+@pytest.mark.parametrize("head_dim", [D, 64, 128])  # the kernel specialises 64 and 128
+# Fewer than 2 sequences per thread: tasks split by KV head; else one task per sequence.
+@pytest.mark.parametrize("threads,seqs", [(2, 3), (1, 5)])
+def test_native_decode_matches_fp64(dtype, head_dim, threads, seqs):
     """The kernel reads the strided per-layer view of the real pool layout, with rows of
     q strided as in the fused QKV projection, over contexts that end mid-block."""
     kernel = load_paged_decode()
     if kernel is None:
         pytest.skip("no C++ toolchain here to build the native kernel")
     g = torch.Generator().manual_seed(1)
-    layers, seqs = 3, 5
-    pool = torch.randn(NB, layers, 2, BS, HKV, D, generator=g).to(dtype)
+    layers = 3
+    pool = torch.randn(NB, layers, 2, BS, HKV, head_dim, generator=g).to(dtype)
     k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
-    lens = torch.tensor([1, 4, 5, 13, 32])
+    lens = torch.tensor([1, 4, 5, 13, 32])[-seqs:]
     width = 8  # blocks per table row, padded
     tables = torch.randperm(NB, generator=g)[: seqs * width].view(seqs, width)
-    qkv = torch.randn(seqs, H + 2 * HKV, D, generator=g).to(dtype)
+    qkv = torch.randn(seqs, H + 2 * HKV, head_dim, generator=g).to(dtype)
     q = qkv[:, :H]
-    out = torch.full((seqs, H * D), float("nan"), dtype=dtype)
-    kernel(q, k_cache, v_cache, tables, lens, out, D**-0.5)
+    out = torch.full((seqs, H * head_dim), float("nan"), dtype=dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernel(q, k_cache, v_cache, tables, lens, out, head_dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
     for i, n in enumerate(lens.tolist()):
         k = k_cache.double()[tables[i]].flatten(0, 1)[:n]
         v = v_cache.double()[tables[i]].flatten(0, 1)[:n]
-        expect = dense(q[i : i + 1].double(), k, v, D**-0.5)
+        expect = dense(q[i : i + 1].double(), k, v, head_dim**-0.5)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[i : i + 1].double(), expect, atol=tol, rtol=tol)
 
