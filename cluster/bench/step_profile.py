@@ -84,9 +84,12 @@ def _annotate_engine() -> None:
 
 
 def profile_batch(engine: Engine, batch: int, steps: int, prompt_len: int = 32) -> dict:
+    # The prompts' prefill takes ceil(batch * prompt_len / token budget) steps; then a
+    # few decode steps at the full batch before anything is timed.
+    prefill_steps = -(-batch * prompt_len // engine.cfg.max_num_batched_tokens)
     sp = SamplingParams(max_tokens=WARM_STEPS + 2 * steps + 8, temperature=0, ignore_eos=True)
     ids = [engine.add_request(p, sp) for p in bench_prompts(engine, batch, prompt_len)]
-    for _ in range(WARM_STEPS):  # the prompts' prefill, then decode at the full batch
+    for _ in range(prefill_steps + WARM_STEPS):
         engine.step()
     walls = []
     for _ in range(steps):

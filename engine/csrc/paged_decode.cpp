@@ -47,8 +47,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// Ask for the next block's rows of heads [h0, h1) while this block is computed: blocks
-// are scattered over the pool, so the hardware prefetcher cannot guess the jump.
+// Asks for `rows` rows of `span` elements, `row_stride` apart (one block of a task).
 template <typename T>
 inline void prefetch_block(const T* base, int64_t rows, int64_t row_stride, int64_t span) {
   constexpr int64_t kLine = 64 / sizeof(T);
@@ -94,14 +93,20 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         for (int64_t e = 0; e < head_dim; ++e)
           qf[r * head_dim + e] = to_float(q_ptr[s * q_seq + (h0 * group + r) * q_head + e]);
 
-      // Pass 1: scaled scores q.k for every cached token.
-      for (int64_t t = 0; t < len; ++t) {
+      // The task's rows of token t in `cache`. At a block's first token it prefetches
+      // the next block: blocks are scattered, so the hardware cannot guess the jump.
+      auto token_rows = [&](const T* cache, int64_t t) -> const T* {
         const int64_t b = t / block_size, slot = t % block_size;
         if (slot == 0 && b + 1 < max_blocks && (b + 1) * block_size < len)
-          prefetch_block(k_ptr + table[b + 1] * c_block + h0 * c_head, block_size, c_slot, span);
-        const T* base = k_ptr + table[b] * c_block + slot * c_slot;
+          prefetch_block(cache + table[b + 1] * c_block + h0 * c_head, block_size, c_slot, span);
+        return cache + table[b] * c_block + slot * c_slot + h0 * c_head;
+      };
+
+      // Pass 1: scaled scores q.k for every cached token.
+      for (int64_t t = 0; t < len; ++t) {
+        const T* base = token_rows(k_ptr, t);
         for (int64_t h = 0; h < heads_per_task; ++h) {
-          const float* k = row_f32(base + (h0 + h) * c_head, buf.data(), head_dim);
+          const float* k = row_f32(base + h * c_head, buf.data(), head_dim);
           for (int64_t g = 0; g < group; ++g) {
             const int64_t r = h * group + g;
             scores[r * len + t] = dot(qf.data() + r * head_dim, k, head_dim) * fscale;
@@ -122,12 +127,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       // Pass 2: the probability-weighted sum of V.
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const int64_t b = t / block_size, slot = t % block_size;
-        if (slot == 0 && b + 1 < max_blocks && (b + 1) * block_size < len)
-          prefetch_block(v_ptr + table[b + 1] * c_block + h0 * c_head, block_size, c_slot, span);
-        const T* base = v_ptr + table[b] * c_block + slot * c_slot;
+        const T* base = token_rows(v_ptr, t);
         for (int64_t h = 0; h < heads_per_task; ++h) {
-          const float* v = row_f32(base + (h0 + h) * c_head, buf.data(), head_dim);
+          const float* v = row_f32(base + h * c_head, buf.data(), head_dim);
           for (int64_t g = 0; g < group; ++g) {
             const int64_t r = h * group + g;
             const float p = scores[r * len + t];
