@@ -4,7 +4,7 @@ torch's JIT extension loader builds `engine/csrc/*.cpp` with `-march=native` int
 its cache (`~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`). The module's
 name carries a hash of the source, the compiler flags and the CPU's flags, so a
 cached build never runs on a CPU it was not built for (these machines' CPUs change
-between sessions). A cold build takes ~40 s on 2 cores; `scripts/setup.sh` runs it
+between sessions). A cold build takes 11-15 s on 2 cores; `scripts/setup.sh` runs it
 ahead of time so that no replica pays it while serving.
 
 Where the build cannot happen (no C++ compiler, or it fails) the caller falls back

@@ -99,7 +99,8 @@ class Engine:
 
         num_blocks = num_blocks_for(cfg, model_cfg, self.dtype)
         self.kv_cache = KVCache(model_cfg, num_blocks, cfg.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(model, self.kv_cache, cfg.block_size, select_decode_kernel(cfg.decode_attention, self.device))
+        decode_kernel = select_decode_kernel(cfg.decode_attention, self.device)
+        self.runner = ModelRunner(model, self.kv_cache, cfg.block_size, decode_kernel)
         self.block_pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, cfg.block_size, self.model_fingerprint)
         self.scheduler = Scheduler(self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)

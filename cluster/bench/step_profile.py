@@ -142,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
               + "".join(f"{r['ms'][c]:>14.1f}" for c in CATEGORIES))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "threads": args.threads, "decode_attention": backend,
-                                                 "prompt_len": args.prompt_len, "rows": rows}, indent=2))
+        result = {"dtype": args.dtype, "threads": args.threads, "decode_attention": backend,
+                  "prompt_len": args.prompt_len, "rows": rows}
+        Path(args.json).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")
     return 0
 

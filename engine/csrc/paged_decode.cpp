@@ -174,6 +174,19 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "int64 block tables");
   TORCH_CHECK(context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(), "int64 context lengths");
   TORCH_CHECK(q.device().is_cpu(), "CPU only");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one table and length per row");
+  // The kernel reads raw pointers: a bad length or block id would read out of the pool
+  // (and kill the process) where the torch path raises, so check what it will touch.
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t block_size = k_cache.size(1), max_blocks = block_tables.size(1), num_blocks = k_cache.size(0);
+  for (int64_t s = 0; s < q.size(0); ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "context length ", lens[s], " out of range");
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+      const int64_t id = tables[s * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block id ", id, " outside the pool of ", num_blocks);
+    }
+  }
   switch (q.scalar_type()) {
     case at::kFloat: dispatch_head_dim<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale); break;
     case at::kBFloat16:

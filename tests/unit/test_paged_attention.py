@@ -115,6 +115,23 @@ def test_native_decode_matches_fp64(dtype, head_dim, threads, seqs):
         torch.testing.assert_close(out[i : i + 1].double(), expect, atol=tol, rtol=tol)
 
 
+def test_native_decode_refuses_reads_outside_the_pool():
+    """A raw-pointer kernel must raise, as the torch path's indexing does, never read
+    outside the pool."""
+    kernel = load_paged_decode()
+    if kernel is None:
+        pytest.skip("no C++ toolchain here to build the native kernel")
+    k_cache = torch.zeros(NB, BS, HKV, D)
+    q = torch.zeros(1, H, D)
+    out = torch.empty(1, H * D)
+    table = torch.tensor([[0, 1]])
+    with pytest.raises(RuntimeError, match="context length"):
+        kernel(q, k_cache, k_cache, table, torch.tensor([2 * BS + 1]), out, 1.0)
+    with pytest.raises(RuntimeError, match="block id"):
+        kernel(q, k_cache, k_cache, torch.tensor([[0, NB]]), torch.tensor([BS + 1]), out, 1.0)
+    kernel(q, k_cache, k_cache, torch.tensor([[0, NB]]), torch.tensor([BS]), out, 1.0)  # the padding is never read
+
+
 def test_decode_kernel_choice():
     assert select_decode_kernel("torch", "cpu") is None
     assert select_decode_kernel("auto", "cuda") is None
