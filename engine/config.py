@@ -70,13 +70,20 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         raise ConfigError("dtype", f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16") from None
 
 
-def _cpu_has_fast_bf16() -> bool:
+def cpu_flags() -> list[str]:
+    """This CPU's feature flags, in /proc/cpuinfo's order (Linux; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            for line in f:
+                if line.startswith("flags"):
+                    return line.partition(":")[2].split()
     except OSError:
-        return False
-    return "amx_bf16" in flags
+        pass
+    return []
+
+
+def _cpu_has_fast_bf16() -> bool:
+    return "amx_bf16" in cpu_flags()
 
 
 def resolve_device(name: str) -> str:

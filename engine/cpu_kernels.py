@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ConfigError
+from engine.config import ConfigError, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -36,22 +36,11 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _LDFLAGS = ["-fopenmp"]
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def _module_name() -> str:
     h = hashlib.sha256()
     h.update(_SOURCE.read_bytes())
     h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
-    h.update(_cpu_flags().encode())
+    h.update(" ".join(cpu_flags()).encode())
     h.update(torch.__version__.encode())
     return f"duet_paged_decode_{h.hexdigest()[:16]}"
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
+
+from engine import config as engine_config
 
 # The flags that decide which kernels oneDNN/MKL can use for fp32 and bf16.
 FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
@@ -33,12 +34,7 @@ _READ_BYTES = 1 << 30
 
 def cpu_flags() -> list[str]:
     """The FLAGS this CPU has (Linux; empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    have = set(line.partition(":")[2].split())
+    have = set(engine_config.cpu_flags())
     return [f for f in FLAGS if f in have]
 
 

@@ -23,16 +23,12 @@ import httpx
 from cluster import serve_cli
 from cluster.bench.cluster import run_loadgen, summarize
 from cluster.config import load_config
+from engine.config import cpu_flags
 from telemetry.otlp_sink import OTLPSink, render_tree
 
 
 def _cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return sorted(f for f in flags if f in {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    return sorted(f for f in cpu_flags() if f in {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
 
 
 def one_trace(url: str, sink: OTLPSink, output_len: int) -> str:
