@@ -130,15 +130,6 @@ class LeaseTable:
         with self._lock:
             return list(self._leases.values())
 
-    def leased_blocks(self) -> set[int]:
-        with self._lock:
-            return {b for lease in self._leases.values() for b in lease.block_ids}
-
-    def next_expiry(self) -> float | None:
-        """Earliest expiry, so a sweeper can sleep until then instead of polling."""
-        with self._lock:
-            return min((lease.expiry for lease in self._leases.values()), default=None)
-
     def counters(self) -> LeaseCounters:
         with self._lock:
             return LeaseCounters(**self._counts)
