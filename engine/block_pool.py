@@ -71,10 +71,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 

@@ -39,10 +39,6 @@ class SchedulerOutput:
     def scheduled(self) -> list[ScheduledRequest]:
         return self.decodes + self.prefills
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return len(self.decodes) + sum(s.num_new_tokens for s in self.prefills)
-
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
 

@@ -60,15 +60,6 @@ def load_checkpoint(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, 
     return _load_hf(ckpt, dtype)
 
 
-def read_model_config(ckpt: Checkpoint) -> ModelConfig:
-    """The model's shape without loading its weights (for gateways and routers)."""
-    if ckpt.kind == "gguf":
-        import gguf
-
-        return _gguf_config(ckpt, gguf.GGUFReader(str(ckpt.path)))
-    return _hf_config(ckpt)
-
-
 # ---------------------------------------------------------------- GGUF
 
 
