@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -11,8 +12,23 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
+# `duet bench TARGET` -> the module that owns the target's flags and its
+# `main(argv) -> int`; imported only when its target runs (most load torch).
+BENCH_TARGETS: dict[str, str] = {
+    "engine": "bench.engine",
+    "profile": "bench.profile",
+    "serve": "bench.serve",
+    "efficiency": "bench.efficiency",
+    "kv": "bench.kv",
+    "cluster": "bench.cluster",
+    "routing": "bench.routing",
+    "tracing": "bench.tracing",
+    "autoscale": "bench.autoscale",
+}
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags of `duet generate`, which `duet bench engine` takes too."""
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (embedded), a .gguf file, or a HF directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -51,57 +67,14 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_bench(args, rest: list[str]) -> int:
-    if args.target == "engine":
-        from cluster.bench import engine as bench
-
-        p = argparse.ArgumentParser(prog="duet bench engine")
-        _add_engine_args(p)
-        p.add_argument("--json", default=None, help="write the results here")
-        p.add_argument("--prompt-len", type=int, default=32)
-        p.add_argument("--output-len", type=int, default=64)
-        p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-        p.add_argument("--prefill-len", type=int, default=512)
-        p.add_argument("--repeats", type=int, default=3)
-        p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-        return bench.main(p.parse_args(rest))
-    if args.target == "serve":
-        from loadgen.cli import bench_serve_main
-
-        return bench_serve_main(rest)
-    if args.target == "profile":
-        from cluster.bench.step_profile import main as profile_main
-
-        return profile_main(rest)
-    if args.target == "kv":
-        from cluster.bench.kv import main as kv_main
-
-        return kv_main(rest)
-    if args.target == "cluster":
-        from cluster.bench.cluster import main as cluster_main
-
-        return cluster_main(rest)
-    if args.target == "tracing":
-        from cluster.bench.tracing import main as tracing_main
-
-        return tracing_main(rest)
-    if args.target == "autoscale":
-        if "--live" in rest:
-            from cluster.bench.autoscale import main as live_main
-
-            return live_main([a for a in rest if a != "--live"])
-        from loadgen.autoscale_bench import main as sim_main
-
-        return sim_main(rest)
-    if args.target == "routing":
-        from cluster.bench.routing import main as routing_main
-
-        return routing_main(rest)
-    if args.target == "efficiency":
-        from cluster.bench.serving import main as efficiency_main
-
-        return efficiency_main(rest)
-    raise SystemExit(f"unknown bench target {args.target!r}")
+def cmd_bench(bench: argparse.ArgumentParser, target: str | None, rest: list[str]) -> int:
+    """Run `duet bench TARGET`: the target's module parses `rest` itself."""
+    if target is None:
+        if not {"-h", "--help"} & set(rest):
+            bench.error("a target is required: " + " | ".join(BENCH_TARGETS))
+        bench.print_help()
+        return 0
+    return importlib.import_module(BENCH_TARGETS[target]).main(rest)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     g = sub.add_parser("generate", help="generate offline with the engine, streaming the text")
     g.add_argument("prompt")
-    _add_engine_args(g)
+    add_engine_args(g)
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -120,9 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
-    targets = ["engine", "profile", "serve", "efficiency", "kv", "cluster", "routing", "tracing", "autoscale"]
-    b = sub.add_parser("bench", help="benchmarks: " + " | ".join(targets), add_help=False)
-    b.add_argument("target", choices=targets)
+    # No -h of its own: `duet bench TARGET --help` must reach the target's parser.
+    b = sub.add_parser("bench", help="benchmarks: " + " | ".join(BENCH_TARGETS), add_help=False,
+                       usage="duet bench TARGET [flags]",
+                       description="Run one benchmark; `duet bench TARGET --help` lists its flags.")
+    b.add_argument("target", nargs="?", choices=BENCH_TARGETS, metavar="TARGET",
+                   help=" | ".join(BENCH_TARGETS))
 
     sub.add_parser("plan", help="capacity planner (see `duet plan --help`)", add_help=False)
 
@@ -133,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args, rest = parser.parse_known_args(argv)
     if args.cmd == "bench":
-        return cmd_bench(args, rest)
+        return cmd_bench(b, args.target, rest)
     if args.cmd == "plan":
         from loadgen.cli import plan_main
 

@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from cluster.bench.engine import bench_prompts  # noqa: E402
+from bench.engine import bench_prompts  # noqa: E402
 from engine import model as M  # noqa: E402
 from engine.attention import paged_attention  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench.serving import closed_loop, table
+from bench.efficiency import closed_loop, table
 
 pytestmark = pytest.mark.unit
 

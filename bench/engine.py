@@ -6,11 +6,14 @@ Points: decode at batch 1, 8 and 32 (output tokens/s over the whole generate cal
 for one 512-token prompt. Each figure is the median of `repeats` runs. On a CPU each
 point is also given as a share of its ceiling, which this machine's memory bandwidth
 and GEMM speed on the model's own shapes set, measured in the same run
-(cluster/bench/ceilings.py).
+(bench/machine_ceilings.py).
+
+    duet bench engine [--dtype bfloat16] [--threads 2] [--batches 1 8 32] [--no-hf] [--json PATH]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -20,10 +23,12 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.ceilings import measure
+from bench.machine_ceilings import measure
+from cluster.cli import add_engine_args
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+
 
 @dataclass
 class BenchPoint:
@@ -180,7 +185,21 @@ def print_table(result: dict) -> None:
               f"{p['ours_tok_s']:12.1f}{hf:>10s}{ratio:>7s}{ceil:>9s}{pct:>8s}")
 
 
-def main(args) -> int:
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="duet bench engine", description=__doc__.split("\n\n")[0])
+    add_engine_args(p)  # the engine flags `duet generate` takes, defined once in cluster/cli.py
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     result = run(
         dtype=args.dtype, device=args.device, prompt_len=args.prompt_len, output_len=args.output_len,
         batches=tuple(args.batches), prefill_len=args.prefill_len, repeats=args.repeats,

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from bench.loadgen_subprocess import run_loadgen, summarize
 from cluster import serve_cli
 from cluster.config import load_config
 
@@ -36,26 +36,6 @@ def _pool_stats(url: str) -> dict[tuple[str, str], float]:
             key = (kv["pool"].strip('"'), kv["stat"].strip('"'))
             out[key] = out.get(key, 0.0) + float(value)
     return out
-
-
-def run_loadgen(url: str, out: Path, args: list[str]) -> list[dict]:
-    cmd = [sys.executable, "-m", "loadgen", "bench-serve", "--base-url", url, "--no-progress", "--out", str(out), *args]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.loads((out / "results.json").read_text())
-
-
-def summarize(point: dict) -> dict:
-    m = point["metrics"]
-    return {
-        "label": point.get("label", ""),
-        "completed": m["completed"],
-        "failed": m["failed"],
-        "ttft_p50_ms": m["ttft_ms"]["median"],
-        "ttft_p99_ms": m["ttft_ms"]["p99"],
-        "tpot_p50_ms": m["tpot_ms"]["median"],
-        "tpot_p99_ms": m["tpot_ms"]["p99"],
-        "output_tok_s": m["output_throughput"],
-    }
 
 
 def bench_modes(concurrency: list[int], num_prompts: int, input_len: int, output_len: int, port: int) -> dict:
@@ -138,7 +118,7 @@ def engine_ttft(prompt_len: int, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="duet bench cluster")
     p.add_argument("--json", default="out/bench_cluster.json")
     p.add_argument("--port", type=int, default=8071)
@@ -150,7 +130,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--handoff-requests", type=int, default=5)
     p.add_argument("--skip", nargs="*", default=[], choices=["modes", "handoff", "gateway"])
     a = p.parse_args(argv)
-    result: dict = {"machine": {"cpus": __import__("os").cpu_count()}}
+    result: dict = {"machine": {"cpus": os.cpu_count()}}
     if "gateway" not in a.skip:
         result["engine_ttft_ms"] = {"prompt_tokens": a.input_len, "median_ms": engine_ttft(a.input_len)}
         print(f"engine TTFT ({a.input_len} tokens, in-process): {result['engine_ttft_ms']['median_ms']:.1f} ms")

@@ -4,7 +4,7 @@ node serves a filled KV tensor; an actor on the decode node pulls it with the sa
 series as the same-host benchmark. NIXL is held to UCX's TCP transport and gloo binds
 each node's own address: what crosses is the network, as between machines.
 
-    python -m cluster.bench.kv_nodes --address HEAD:PORT --json PATH [--backends nixl,torch] [--runs 9]
+    python -m bench.kv_across_nodes --address HEAD:PORT --json PATH [--backends nixl,torch] [--runs 9]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 
 import ray
 
-from cluster.bench.kv import SMOLLM2, pull_series
+from bench.kv import SMOLLM2, pull_series
 from cluster.pools import node_group_resource
 
 

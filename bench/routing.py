@@ -151,7 +151,7 @@ def _config(setup: dict, kv_blocks: int, port: int) -> dict:
     return cfg
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="duet bench routing", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_routing.json")
     ap.add_argument("--kv-blocks", type=int, default=96, help="KV blocks per prefill replica (small: forces evictions)")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.loadgen_subprocess import run_loadgen, summarize
 from cluster import serve_cli
-from cluster.bench.cluster import run_loadgen, summarize
 from cluster.config import load_config
 from engine.config import cpu_flags
 from telemetry.otlp_sink import OTLPSink, render_tree
@@ -72,7 +72,7 @@ def _round(tracing: bool, sink: OTLPSink, a, tree: list[str]) -> list[dict]:
         serve_cli.stop()
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="duet bench tracing")
     p.add_argument("--json", default="out/bench_tracing.json")
     p.add_argument("--config", default=None, help="cluster config file (default: the built-in defaults)")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.engine import bench_prompts
+from bench.engine import bench_prompts
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams

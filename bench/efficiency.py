@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from cluster import serve_cli
-from cluster.bench.ceilings import cpu_flags
-from cluster.bench.cluster import run_loadgen, summarize
+from bench.loadgen_subprocess import run_loadgen, summarize
+from bench.machine_ceilings import cpu_flags
 from cluster.config import load_config
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -139,7 +139,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="duet bench efficiency", description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-slot", type=int, default=2,

@@ -20,6 +20,7 @@ import asyncio
 import json
 import platform
 import random
+import sys
 import threading
 import time
 from pathlib import Path
@@ -173,6 +174,16 @@ def plot(result: dict, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`--live`: this module's run; without it, the simulation (loadgen/autoscale_bench.py)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--live" not in argv:
+        from loadgen.autoscale_bench import main as simulated
+
+        return simulated(argv)
+    return main_live([a for a in argv if a != "--live"])
+
+
+def main_live(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="duet bench autoscale --live", description=__doc__)
     add_args(p)
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The engine benchmark's rooflines (cluster/bench/ceilings.py): the model's matmul
+"""The engine benchmark's rooflines (bench/machine_ceilings.py): the model's matmul
 shapes and the ceiling each point gets from measured speeds (numbers made up here)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.bench.ceilings import Ceilings, cpu_flags, matmul_shapes
+from bench.machine_ceilings import Ceilings, cpu_flags, matmul_shapes
 
 pytestmark = pytest.mark.unit
 

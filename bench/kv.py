@@ -1,10 +1,10 @@
 """Handoff cost per request: time, bytes and GB/s to move a prompt's KV blocks.
 
-    python -m cluster.bench.kv --json PATH [--runs 9] [--backends nixl,torch] [--netns]
+    duet bench kv --json PATH [--runs 9] [--backends nixl,torch] [--netns]
 
 Two OS processes on this host (the prefill peer is a child process); with --netns
 also between two Ray nodes in network namespaces (`nixl/tcp`, `torch/tcp`: the
-multi-node path over TCP, cluster/bench/kv_nodes.py), SmolLM2-135M's
+multi-node path over TCP, bench/kv_across_nodes.py), SmolLM2-135M's
 KV shape (30 layers, 3 KV heads, head_dim 64, bf16, block_size 16), prompts of
 128/512/2048 tokens, random non-contiguous block ids on both sides (what a block
 pool hands out). In-process baselines: ``memcpy`` gathers the blocks with
@@ -129,7 +129,7 @@ def across_nodes(backends: list[str], runs: int) -> list[Result]:
         c.start()
         with tempfile.TemporaryDirectory() as tmp:
             path = f"{tmp}/results.json"
-            argv = [sys.executable, "-m", "cluster.bench.kv_nodes", "--address", c.address, "--json", path,
+            argv = [sys.executable, "-m", "bench.kv_across_nodes", "--address", c.address, "--json", path,
                     "--backends", ",".join(backends), "--runs", str(runs)]
             out = subprocess.run(c.in_netns(c.head.name, argv), capture_output=True, text=True, timeout=1800)
             if out.returncode != 0:
@@ -154,8 +154,8 @@ def _table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="duet bench kv", description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True, help="write results here")
     parser.add_argument("--runs", type=int, default=9, help="timed runs per point (median reported)")
     parser.add_argument("--backends", default="nixl,torch")
@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
