@@ -1,8 +1,9 @@
 """Autoscaling policies replayed against a traffic trace, in simulation.
 
-The cluster model is the planner's (loadgen/simulator.py): a prefill replica serves
-prompts one at a time in a + b x tokens; a decode replica steps its batch in
-c + d x batch, every running sequence gaining one token a step. Time moves in
+The capacity model is the planner's own (`PrefillModel`, `DecodeModel` in
+loadgen/simulator.py, built from the profile): a prefill replica serves prompts one
+at a time in a + b x tokens; a decode replica steps its batch in c + d x batch,
+every running sequence gaining one token a step. Time moves in
 `dt` steps; requests arrive as a Poisson process whose rate follows the trace.
 Replicas take `cold_start_s` to come up (they cost from the moment they are asked
 for) and a removed replica drains: it takes no new work and goes when empty.
@@ -28,6 +29,7 @@ from autoscaling.config import BudgetConfig, CapacityProfile, PoolAutoscaling, S
 from autoscaling.policy import GoodputPolicy, PoolPolicy, PoolState
 from autoscaling.signals import DecodeSignals, GatewaySignals, PrefillSignals, ReplicaReport
 from loadgen.distributions import LengthDist
+from loadgen.simulator import DecodeModel, PrefillModel
 
 
 @dataclass
@@ -121,6 +123,8 @@ class ClusterSim:
                  cold_start_s: float = 20.0, dt: float = 0.05, interval_s: float = 1.0,
                  budget: BudgetConfig | None = None, seed: int = 0) -> None:
         assert profile.prefill_model is not None and profile.decode_model is not None
+        self.prefill = PrefillModel.from_profile(profile.prefill_model)
+        self.decode = DecodeModel.from_profile(profile.decode_model)
         self.profile, self.slo, self.pools, self.initial = profile, slo, pools, initial
         self.input_len, self.output_len = input_len, output_len
         self.cold_start_s, self.dt, self.interval_s = cold_start_s, dt, interval_s
@@ -205,7 +209,6 @@ class ClusterSim:
         min(ready, key=backlog).queue.append(req)
 
     def _step_prefill(self) -> None:
-        m = self.profile.prefill_model
         for rep in self.replicas["prefill"]:
             if rep.ready_at > self.now:
                 continue
@@ -213,7 +216,7 @@ class ClusterSim:
                 head = rep.queue[0]
                 if head.prefill_start is None:
                     head.prefill_start = max(self.now, rep.busy_until, head.arrival)
-                    rep.busy_until = head.prefill_start + (m.a_ms + m.b_ms_per_token * head.prompt) / 1e3
+                    rep.busy_until = head.prefill_start + self.prefill.service_s(head.prompt)
                 if rep.busy_until > self.now + self.dt:
                     break
                 rep.queue.popleft()
@@ -232,15 +235,14 @@ class ClusterSim:
         min(ready, key=lambda r: len(r.running) + len(r.queue)).queue.append(req)
 
     def _step_decode(self) -> None:
-        m = self.profile.decode_model
         for rep in self.replicas["decode"]:
             if rep.ready_at > self.now:
                 continue
-            while rep.queue and len(rep.running) < m.max_batch:
+            while rep.queue and len(rep.running) < self.decode.max_batch:
                 rep.running.append(rep.queue.popleft())
             if not rep.running:
                 continue
-            per_token = self.dt / ((m.c_ms + m.d_ms_per_seq * len(rep.running)) / 1e3)
+            per_token = self.dt / self.decode.step_s(len(rep.running))
             still = []
             for req in rep.running:
                 req.left -= per_token

@@ -10,6 +10,10 @@ Model (the same one planner.py fits):
   c + d * batch_size and gives each running sequence one token; at most `max_batch`
   run at once, the rest wait. TPOT = (E2EL - TTFT) / (output_tokens - 1).
 Not modelled: prefix-cache hits, chunked prefill, preemption, network jitter.
+
+PrefillModel and DecodeModel are loadgen's one capacity model: the planner fits them,
+and the autoscaling simulator (autoscale_sim.py) builds them from a capacity profile
+(`from_profile`: the same fit, in milliseconds) and steps its replicas with them.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from loadgen.arrivals import inter_arrival_gaps
 from loadgen.distributions import LengthDist
 from loadgen.metrics import SLO
+
+if TYPE_CHECKING:
+    from autoscaling.config import DecodeProfile, PrefillProfile
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,11 @@ class PrefillModel:
 
     a_s: float
     b_s_per_token: float
+
+    @classmethod
+    def from_profile(cls, profile: PrefillProfile) -> PrefillModel:
+        """A capacity profile's `prefill_model` (what `duet plan` writes, in ms)."""
+        return cls(profile.a_ms / 1e3, profile.b_ms_per_token / 1e3)
 
     def service_s(self, tokens: np.ndarray | float) -> np.ndarray | float:
         return self.a_s + self.b_s_per_token * tokens
@@ -44,6 +57,11 @@ class DecodeModel:
     c_s: float
     d_s_per_seq: float
     max_batch: int = 256
+
+    @classmethod
+    def from_profile(cls, profile: DecodeProfile) -> DecodeModel:
+        """A capacity profile's `decode_model` (what `duet plan` writes, in ms)."""
+        return cls(profile.c_ms / 1e3, profile.d_ms_per_seq / 1e3, profile.max_batch)
 
     def step_s(self, batch: int) -> float:
         return self.c_s + self.d_s_per_seq * batch

@@ -1,11 +1,16 @@
 """The autoscaling simulator (loadgen/autoscale_sim.py): its cluster model, and the
 policies it replays, on a short step trace."""
 
+import json
+from dataclasses import astuple
+
 import pytest
 
 from autoscaling.config import CapacityProfile, DecodeProfile, PoolAutoscaling, PrefillProfile, SLOConfig
 from loadgen.autoscale_sim import ClusterSim, SimPolicy
 from loadgen.distributions import parse_length
+from loadgen.planner import Plan
+from loadgen.simulator import DecodeModel, PrefillModel
 
 pytestmark = pytest.mark.unit
 
@@ -24,6 +29,18 @@ def sim(**pool) -> ClusterSim:
 
 def step(t: float) -> float:
     return 2.5 if 30 <= t < 90 else 0.3  # the burst needs three prefill replicas
+
+
+def test_the_capacity_model_is_the_planners(tmp_path):
+    """`duet plan`'s JSON read as a capacity profile gives back the planner's models,
+    and the simulator steps with them."""
+    prefill, decode = PrefillModel(0.004, 0.0005), DecodeModel(0.02, 0.001, 64)
+    (tmp_path / "plan.json").write_text(json.dumps({"plan": Plan(1, 1, {}, True, prefill, decode).to_dict()}))
+    profile = CapacityProfile.load(tmp_path / "plan.json")
+    assert astuple(PrefillModel.from_profile(profile.prefill_model)) == pytest.approx(astuple(prefill))
+    assert astuple(DecodeModel.from_profile(profile.decode_model)) == pytest.approx(astuple(decode))
+    s = sim()
+    assert s.prefill.service_s(500) == pytest.approx(1.0) and s.decode.step_s(10) == pytest.approx(0.03)
 
 
 def test_fixed_at_quiet_load_meets_the_slo():
