@@ -1,10 +1,16 @@
 """Imports between the rooms run one way (docs/ARCHITECTURE.md):
 
-    engine, telemetry, autoscaling -> kvtransfer -> prefill, decode -> routing -> cluster
+    engine, telemetry, autoscaling -> kvtransfer -> prefill, decode -> routing -> cluster, bench
 
-A room imports only rooms to its left; prefill and decode never import each other;
-nothing imports cluster (the composition root); loadgen is a client and imports no
-server room, only the autoscaling policy (its simulator runs the same code). Every import counts, lazy ones inside functions included.
+A room imports only rooms to its left; prefill and decode never import each other.
+cluster (the composition root) and bench (the `duet bench` targets) share the top:
+bench may import cluster, since its targets drive the composition root (they start
+`duet serve` through cluster.serve_cli, read cluster.config, build the Serve app,
+bring up namespace clusters); nothing else imports cluster; and nothing imports bench
+but cluster/cli.py, which dispatches `duet bench TARGET` to it. loadgen is a client
+and imports no server room, only the autoscaling policy (its simulator runs the same
+code). Every import counts: lazy ones inside functions, and `importlib.import_module`
+of a constant name.
 """
 
 from __future__ import annotations
@@ -17,9 +23,24 @@ import pytest
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-LEVEL = {"engine": 0, "telemetry": 0, "autoscaling": 0, "kvtransfer": 1, "prefill": 2, "decode": 2, "routing": 3, "cluster": 4}
+LEVEL = {"engine": 0, "telemetry": 0, "autoscaling": 0, "kvtransfer": 1, "prefill": 2, "decode": 2, "routing": 3,
+         "cluster": 4, "bench": 4}
+# (room, target) imports beside each other at one level, and why they are allowed.
+SIDEWAYS = {("bench", "cluster")}  # the benchmarks start and configure the cluster they measure
+# Rooms only the named modules may import: the CLI is bench's one way in.
+ONLY_FROM = {"bench": {"cluster/cli.py"}}
 CLIENTS = {"loadgen"}
 CLIENT_MAY_IMPORT = {"autoscaling"}  # pure policy code, no server
+
+
+def _import_module_name(node: ast.Call) -> str | None:
+    """The constant module name of an `importlib.import_module("...")` call."""
+    f = node.func
+    named = (isinstance(f, ast.Attribute) and f.attr == "import_module") or (
+        isinstance(f, ast.Name) and f.id == "import_module")
+    if named and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        return node.args[0].value
+    return None
 
 
 def imported_rooms(path: Path) -> list[tuple[int, str]]:
@@ -30,11 +51,18 @@ def imported_rooms(path: Path) -> list[tuple[int, str]]:
             out += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module.split(".")[0]))
+        elif isinstance(node, ast.Call) and (name := _import_module_name(node)):
+            out.append((node.lineno, name.split(".")[0]))
     return out
 
 
-def wrong_way(room: str, target: str) -> bool:
+def wrong_way(room: str, target: str, module: str) -> bool:
+    """Whether `module` (a path under the repository) of `room` may not import `target`."""
     if target == room or target not in LEVEL:
+        return False
+    if target in ONLY_FROM:
+        return module not in ONLY_FROM[target]
+    if (room, target) in SIDEWAYS:
         return False
     if room in CLIENTS:
         return target not in CLIENT_MAY_IMPORT
@@ -45,9 +73,10 @@ def violations(root: Path) -> list[str]:
     bad = []
     for room in sorted({*LEVEL, *CLIENTS}):
         for path in sorted((root / room).rglob("*.py")):
+            module = path.relative_to(root).as_posix()
             for line, target in imported_rooms(path):
-                if wrong_way(room, target):
-                    bad.append(f"{path.relative_to(root)}:{line} {room} imports {target}")
+                if wrong_way(room, target, module):
+                    bad.append(f"{module}:{line} {room} imports {target}")
     return bad
 
 
@@ -66,4 +95,21 @@ def test_the_check_sees_a_wrong_arrow(tmp_path):
         "engine/x.py:2 engine imports routing",
         "loadgen/z.py:1 loadgen imports kvtransfer",
         "prefill/y.py:1 prefill imports decode",
+    ]
+
+
+def test_bench_sits_beside_cluster_and_only_the_cli_reaches_it(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "t.py").write_text("from cluster import serve_cli\nimport engine.engine\n")
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "cli.py").write_text("import importlib\nimportlib.import_module('bench.engine')\n")
+    (tmp_path / "cluster" / "app.py").write_text("def f():\n    from bench import cluster\n")
+    (tmp_path / "routing").mkdir()
+    (tmp_path / "routing" / "r.py").write_text("import importlib\nimportlib.import_module('cluster.config')\n")
+    (tmp_path / "loadgen").mkdir()
+    (tmp_path / "loadgen" / "z.py").write_text("import bench.kv\n")
+    assert violations(tmp_path) == [
+        "cluster/app.py:2 cluster imports bench",
+        "loadgen/z.py:1 loadgen imports bench",
+        "routing/r.py:2 routing imports cluster",
     ]
