@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 # Prefill replica.
 QUEUED_PROMPT_TOKENS = "queued_prompt_tokens"  # prompt tokens not yet computed (waiting + partly done)
@@ -114,17 +115,50 @@ class BusyTime:
         lo = now - self.span_s
         while self._intervals and self._intervals[0][1] < lo:
             self._intervals.popleft()
-        busy, cur_s, cur_e = 0.0, None, None
+        busy = 0.0
+        merged: tuple[float, float] | None = None  # the union of overlapping intervals so far
         for s, e in sorted((max(s, lo), e) for s, e in self._intervals if e > lo):
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    busy += cur_e - cur_s
-                cur_s, cur_e = s, e
+            if merged is None or s > merged[1]:
+                if merged is not None:
+                    busy += merged[1] - merged[0]
+                merged = (s, e)
             else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None:
-            busy += cur_e - cur_s
+                merged = (merged[0], max(merged[1], e))
+        if merged is not None:
+            busy += merged[1] - merged[0]
         return busy
+
+
+class EngineLoad(Protocol):
+    """A replica engine's queues and block pool, as the signals read them: a pool
+    server passes its engine's `EngineStats` (engine/stats.py has these fields; this
+    room imports no other, so the type is structural)."""
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def queued_prefill_tokens(self) -> int: ...
+
+    @property
+    def kv_blocks_total(self) -> int: ...
+
+    @property
+    def kv_blocks_free(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """An `EngineLoad` for callers without an engine (the autoscaling simulator, tests)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
 
 
 class PrefillSignals:
@@ -149,15 +183,15 @@ class PrefillSignals:
             self.busy.add(first_scheduled, finished)
             self.computed.add(max(0, prompt_tokens - cached_tokens), finished)
 
-    def report(self, engine_stats: Mapping) -> dict[str, float]:
+    def report(self, load: EngineLoad) -> dict[str, float]:
         busy = self.busy.seconds()
         computed = self.computed.total()
         # Under a second of work says little about speed: report "not measured".
         capacity = computed / busy if busy >= 1.0 and computed > 0 else 0.0
         return {
-            QUEUED_PROMPT_TOKENS: float(engine_stats["queued_prefill_tokens"]),
-            WAITING: float(engine_stats["num_waiting"]),
-            RUNNING: float(engine_stats["num_running"]),
+            QUEUED_PROMPT_TOKENS: float(load.queued_prefill_tokens),
+            WAITING: float(load.num_waiting),
+            RUNNING: float(load.num_running),
             PROMPT_TOKENS_PER_S: self.tokens.rate(),
             CAPACITY_TOKENS_PER_S: capacity,
             QUEUE_WAIT_MS: _ms(self.queue_wait.quantile(self.quantile)),
@@ -187,12 +221,12 @@ class DecodeSignals:
             return None
         return self.decoding.total() / min(self.span_s, max(self.clock() - self.started, 1e-9))
 
-    def report(self, engine_stats: Mapping, waiting_imports: int) -> dict[str, float]:
-        total = float(engine_stats["kv_blocks_total"])
+    def report(self, load: EngineLoad, waiting_imports: int) -> dict[str, float]:
+        total = float(load.kv_blocks_total)
         return {
-            RUNNING: float(engine_stats["num_running"]),
-            WAITING: float(engine_stats["num_waiting"]),
-            KV_BLOCKS_USED: total - float(engine_stats["kv_blocks_free"]),
+            RUNNING: float(load.num_running),
+            WAITING: float(load.num_waiting),
+            KV_BLOCKS_USED: total - float(load.kv_blocks_free),
             KV_BLOCKS_TOTAL: total,
             WAITING_IMPORTS: float(waiting_imports),
             REPLICA_TPOT_MS: _ms(self.tpot.quantile(self.quantile)),
@@ -228,7 +262,7 @@ class GatewaySignals:
             self.tpot.add(tpot_s)
         ttft_bound, tpot_bound = self.slo
         good = ok and ttft_s is not None
-        if good and ttft_bound is not None:
+        if good and ttft_s is not None and ttft_bound is not None:
             good = ttft_s * 1e3 <= ttft_bound
         if good and tpot_bound is not None and tpot_s is not None:
             good = tpot_s * 1e3 <= tpot_bound

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from engine.async_engine import start_engine
 from engine.config import EngineConfig
 from engine.request import RequestOutput
-from engine.sampling_params import SamplingParams
+from kvtransfer.messages import PrefillRequest
 from kvtransfer.replica import replica_id
 from telemetry import tracing
 from telemetry.replica import ReplicaTelemetry
@@ -27,21 +28,17 @@ class AggregatedServer:
     def __init__(self, engine: dict, threads: int, telemetry: dict | None = None):
         self.replica_id = replica_id()
         self.aengine = start_engine(EngineConfig.model_validate(engine), "aggregated", threads)
-        self.telemetry = ReplicaTelemetry(telemetry, "aggregated", self.replica_id, lambda: self.aengine.stats)
+        self.telemetry = ReplicaTelemetry(telemetry, "aggregated", self.replica_id,
+                                         lambda: self.aengine.stats.as_dict())
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, trace: dict | None = None
-    ) -> AsyncIterator[list[RequestOutput]]:
-        """`trace`: the caller's W3C trace context (telemetry/tracing.py)."""
-        span = tracing.start_span("generate", trace, SpanKind.SERVER, {
-            "duet.request_id": request_id, "duet.replica": self.replica_id,
-            "gen_ai.usage.input_tokens": len(prompt_token_ids),
+    async def generate(self, req: PrefillRequest) -> AsyncIterator[list[RequestOutput]]:
+        """The whole request, prefill and decode, as batches of outputs."""
+        span = tracing.start_span("generate", req.trace, SpanKind.SERVER, {
+            "duet.request_id": req.request_id, "duet.replica": self.replica_id,
+            "gen_ai.usage.input_tokens": req.num_prompt_tokens,
         })
-        eng = self.aengine.engine
         try:
-            stream = await self.aengine.add(
-                request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id)
-            )
+            stream = await self.aengine.add_request(req.request_id, list(req.prompt_token_ids), req.sampling)
         except BaseException as e:
             tracing.end_span(span, e)
             raise
@@ -49,8 +46,8 @@ class AggregatedServer:
             async for outs in batches:
                 yield outs
 
-    async def stats(self) -> dict:
-        return {**self.aengine.stats, "replica_id": self.replica_id}
+    async def stats(self) -> dict[str, Any]:
+        return {**self.aengine.stats.as_dict(), "replica_id": self.replica_id}
 
     async def check_health(self) -> None:
         self.aengine.check_health()

@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 import torch
@@ -28,6 +28,7 @@ from engine.engine import Engine
 from engine.kv_events import KVEvent
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +48,10 @@ class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.stream_interval = engine.cfg.stream_interval
+        self.block_size = engine.cfg.block_size
+        self.num_kv_blocks = engine.block_pool.num_blocks
+        self.model_id = engine.model_id
+        self.model_fingerprint = engine.model_fingerprint
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -54,7 +59,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._events: list[KVEvent] = []
         self._events_lock = threading.Lock()
-        self.stats: dict[str, float] = engine.stats()
+        self.stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._loop, name="duet-engine", daemon=True)
         self._thread.start()
 
@@ -128,7 +133,58 @@ class AsyncEngine:
     async def call(self, fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.submit(fn))
 
-    async def add(self, request_id: str, start: Callable[[], Any]) -> AsyncIterator[list[RequestOutput]]:
+    # ------------------------------------------------------------ typed commands
+    async def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncGenerator[list[RequestOutput], None]:
+        """Start a request from its prompt; its stream of output batches."""
+        eng = self.engine
+        return await self.add(request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id))
+
+    async def add_imported_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        sampling: SamplingParams,
+        take_blocks: Callable[[], list[int] | None],
+    ) -> AsyncGenerator[list[RequestOutput], None]:
+        """Start a request whose prompt KV was imported: `take_blocks` hands over the
+        blocks holding it (None: recompute the prompt here), on the engine thread and
+        only if the request really starts. If the engine refuses the request, the
+        blocks are freed here; if the command never runs (cancelled first), the
+        caller still owns them."""
+        eng = self.engine
+
+        def start() -> None:
+            blocks = take_blocks()
+            try:
+                eng.add_imported_request(request_id, prompt_token_ids, first_token, sampling, blocks)
+            except Exception:
+                if blocks is not None:
+                    eng.release_blocks(blocks)
+                raise
+
+        return await self.add(request_id, start)
+
+    async def reserve_blocks(self, num_tokens: int) -> list[int] | None:
+        """Free blocks for `num_tokens` of imported KV, or None while the pool (or the
+        running batch) is full."""
+        eng = self.engine
+        return await self.call(lambda: eng.reserve_import(num_tokens))
+
+    def could_ever_hold(self, num_tokens: int) -> bool:
+        """Whether the whole pool, empty, holds `num_tokens` (the pool's size never changes)."""
+        return -(-num_tokens // self.block_size) <= self.num_kv_blocks
+
+    def release_blocks(self, block_ids: list[int]) -> concurrent.futures.Future:
+        """Free blocks nobody will use (a lease that ended, an import that did not
+        start); from any thread, without waiting."""
+        eng = self.engine
+        ids = list(block_ids)
+        return self.submit(lambda: eng.release_blocks(ids))
+
+    async def add(self, request_id: str, start: Callable[[], Any]) -> AsyncGenerator[list[RequestOutput], None]:
         """Register a stream for `request_id`, run `start` (which adds the request) on
         the engine thread, then yield batches of outputs until it finishes. Cancelling
         the iterator aborts the request."""
@@ -151,7 +207,7 @@ class AsyncEngine:
             raise
         return self._drain(request_id, q)
 
-    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[list[RequestOutput]]:
+    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncGenerator[list[RequestOutput], None]:
         finished = False
         first = True
         try:

@@ -81,6 +81,7 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     keys = k_cache[meta.decode_block_tables].flatten(1, 2).permute(0, 2, 3, 1)  # [D, Hkv, Dh, L]
     values = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)  # [D, Hkv, L, Dh]
     qg = q.view(num_seqs, num_kv_heads, group, head_dim)
+    assert meta.decode_mask is not None  # built for every step that has decode rows
     scores = torch.matmul(qg, keys).float() * scale + meta.decode_mask  # [D, Hkv, G, L]
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, values).reshape(num_seqs, num_heads * head_dim)

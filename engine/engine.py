@@ -32,6 +32,7 @@ from engine.request import FinishReason, Request, RequestMetrics, RequestOutput,
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stats import EngineStats
 from engine.tokenizer import load_tokenizer
 from engine.weights import load_checkpoint, resolve_checkpoint
 
@@ -333,9 +334,9 @@ class Engine:
     def _finish(self, req: Request, reason: FinishReason, pending_text: str | None) -> str:
         """Remove `req`; returns the held-back text. When `pending_text` is given (an
         abort), a final output is queued for the next step."""
-        export = reason is FinishReason.PREFILL_DONE
-        blocks = self.scheduler.finish(req, reason, keep_blocks=export)
-        if export:
+        keep = reason is FinishReason.PREFILL_DONE
+        blocks = self.scheduler.finish(req, reason, keep_blocks=keep)
+        if keep:
             export = ExportedKV(req.request_id, blocks, req.num_prompt_tokens)
             if self.on_export is not None:
                 self.on_export(export)
@@ -376,30 +377,29 @@ class Engine:
     def take_kv_events(self) -> list[KVEvent]:
         return self.block_pool.take_events()
 
-    def stats(self) -> dict[str, float | list[str]]:
+    def stats(self) -> EngineStats:
         pool = self.block_pool
         ext = self.kv_manager.external_stats
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "queued_prefill_tokens": self.scheduler.num_waiting_tokens,
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_free": pool.num_free_blocks,
-            "kv_usage": pool.usage(),
-            "prefix_cache_hit_rate": pool.stats.hit_rate,
-            "prefix_cache_evictions": pool.stats.evictions,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_exported": len(self._exports),
-            "external_kv_lookups": ext.lookups,
-            "external_kv_hit_tokens": ext.hit_tokens,
-            "external_kv_loaded_tokens": ext.loaded_tokens,
-            "external_kv_load_failures": ext.load_failures,
-            "external_kv_errors": ext.errors,
-            "prefix_cache_queried_tokens": pool.stats.queried_tokens,
-            "prefix_cache_hit_tokens": pool.stats.hit_tokens,
-            # What the counts above count: routers take off the requests they saw finish.
-            "request_ids": [r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)],
-        }
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            queued_prefill_tokens=self.scheduler.num_waiting_tokens,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_free=pool.num_free_blocks,
+            kv_usage=pool.usage(),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_exported=len(self._exports),
+            prefix_cache_hit_rate=pool.stats.hit_rate,
+            prefix_cache_evictions=pool.stats.evictions,
+            prefix_cache_queried_tokens=pool.stats.queried_tokens,
+            prefix_cache_hit_tokens=pool.stats.hit_tokens,
+            external_kv_lookups=ext.lookups,
+            external_kv_hit_tokens=ext.hit_tokens,
+            external_kv_loaded_tokens=ext.loaded_tokens,
+            external_kv_load_failures=ext.load_failures,
+            external_kv_errors=ext.errors,
+            request_ids=tuple(r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)),
+        )
 
     # ------------------------------------------------------------ offline use
     def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:

@@ -105,6 +105,7 @@ class KVCacheManager:
     def load_external(self, req: Request, match: PrefixMatch) -> None:
         """Fill [external_start, external_end) of the request's fresh blocks; progress
         stops where the load stopped, and the scheduler computes the rest."""
+        assert self.external is not None  # a match with an external part came from it
         try:
             end = self.external.load(req.token_ids, req.block_ids, match.external_start, match.external_end)
         except Exception:

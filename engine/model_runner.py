@@ -67,8 +67,8 @@ class ModelRunner:
         if d:
             slot_blocks[:d] = torch.tensor([t[-1] for t in decode_tables], dtype=torch.long, device=dev)
         for ch in chunks:
-            p = positions[ch.token_start : ch.token_start + ch.num_tokens]
-            slot_blocks[ch.token_start : ch.token_start + ch.num_tokens] = ch.block_table[p // bs]
+            chunk_pos = positions[ch.token_start : ch.token_start + ch.num_tokens]
+            slot_blocks[ch.token_start : ch.token_start + ch.num_tokens] = ch.block_table[chunk_pos // bs]
         slot_offsets = positions % bs
 
         tables = mask = lens = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
+from typing import cast
 
 from engine.weights import Checkpoint, resolve_checkpoint
 
@@ -28,18 +29,19 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return cast(str, self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
-        return self.hf.convert_ids_to_tokens(token_ids)
+        return cast(list[str], self.hf.convert_ids_to_tokens(token_ids))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; use the completions endpoint")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return cast(str, text)
 
 
 @lru_cache(maxsize=4)

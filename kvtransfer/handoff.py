@@ -3,8 +3,12 @@
 Prefill side: `KVExporter` owns the replica's lease table, its control port (where
 decode's `Release` / `Reject` arrive) and the sweeper that expires forgotten
 leases; it turns a finished request's pinned blocks into a handle.
-Decode side: `check_handle` refuses a handle before any block is reserved,
-`pull_kv` copies the blocks, and `release_lease` / `reject_lease` end the lease.
+Decode side: `KVImporter` owns the replica's side of every import: it checks the
+handle (`check_handle`) before any block is reserved, reserves blocks (waiting within
+the lease for running sequences to free some), copies them (`pull_kv`), ends the lease
+(`release_lease` / `reject_lease`), and keeps custody of the blocks until the request
+starts with them. An `ImportedKV` is taken exactly once: by the engine when the
+request starts, or discarded (its blocks freed) by whoever gives it up.
 
 A handle whose lease has (nearly) run out, or whose layout or backend differs, is
 refused before any byte moves.
@@ -12,15 +16,22 @@ refused before any byte moves.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from kvtransfer import control
 from kvtransfer.backends.base import KVTransferBackend, TransferError, TransferStats
+from kvtransfer.layout import LayoutMismatch
 from kvtransfer.lease import FreeBlocks, Lease, LeaseTable
-from kvtransfer.messages import KVHandle, Reject, RejectReason, Release
+from kvtransfer.messages import ImportFailed, KVHandle, Reject, RejectReason, Release, TraceCarrier
+from telemetry import metrics, tracing
+from telemetry.tracing import Span, SpanKind
 
 log = logging.getLogger(__name__)
 
@@ -237,4 +248,322 @@ def reject_lease(handle: KVHandle, reason: RejectReason, timeout_s: float) -> bo
 def _notify(handle: KVHandle, msg: control.ControlMessage, timeout_s: float) -> bool:
     if handle.control_address is None or handle.control_key is None:
         return False
-    return control.send(tuple(handle.control_address), msg, bytes.fromhex(handle.control_key), timeout_s=timeout_s)
+    host, port = handle.control_address  # a list once it has crossed JSON
+    return control.send((host, port), msg, bytes.fromhex(handle.control_key), timeout_s=timeout_s)
+
+
+class ImportBlocks(Protocol):
+    """The decode engine's block pool as an import uses it (`engine.async_engine.AsyncEngine`)."""
+
+    async def reserve_blocks(self, num_tokens: int) -> list[int] | None: ...
+
+    def could_ever_hold(self, num_tokens: int) -> bool: ...
+
+    def release_blocks(self, block_ids: list[int]) -> object: ...
+
+
+class ImportedKV:
+    """Custody of the blocks one import filled (None: the import failed and the prompt
+    is recomputed by the engine). Ends exactly once, from any thread: `take` hands the
+    blocks to whoever starts the request with them; `discard` frees them."""
+
+    def __init__(self, request_id: str, blocks: list[int] | None, importer: KVImporter) -> None:
+        self.request_id = request_id
+        self.since = time.monotonic()
+        self._blocks = blocks
+        self._importer = importer
+        self._lock = threading.Lock()
+        self._ended = False
+
+    @property
+    def recompute(self) -> bool:
+        return self._blocks is None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks or ())
+
+    def take(self) -> list[int] | None:
+        """The blocks, now the caller's to free (None: recompute). Raises if the
+        custody has ended already: two owners of one block set is a bug."""
+        with self._lock:
+            if self._ended:
+                raise RuntimeError(f"the imported KV of {self.request_id} was taken or discarded already")
+            self._ended, blocks, self._blocks = True, self._blocks, None
+        self._importer._ended(self)
+        return blocks
+
+    def discard(self) -> int:
+        """Free the blocks unless taken; returns how many were freed."""
+        with self._lock:
+            if self._ended:
+                return 0
+            self._ended, blocks, self._blocks = True, self._blocks, None
+        if blocks:
+            self._importer.blocks.release_blocks(blocks)
+        self._importer._ended(self)
+        return len(blocks or ())
+
+
+@dataclass(frozen=True)
+class ImportStats:
+    """One decode replica's imports so far (names as its `stats()` reports them)."""
+
+    imports: int = 0
+    import_rejects: int = 0  # no free blocks within the lease
+    import_failures: int = 0  # mismatch, expired lease or failed transfer
+    import_recomputes: int = 0
+    imports_waiting: int = 0  # checking, reserving or pulling now
+    import_blocks_held: int = 0  # filled, not yet taken by the engine
+    import_held_oldest: tuple[tuple[str, float], ...] = ()  # (request id, seconds held), oldest first
+    import_blocks_reclaimed: int = 0  # freed by the stale sweep: an owner lost track of them
+
+
+class KVImporter:
+    """Owns one decode replica's side of every handoff, from handle to running request.
+
+    `import_kv` checks the handle, reserves blocks (waiting, within what is left of
+    the lease, for running sequences to free some), pulls, and releases the lease, or
+    rejects it on any failure so prefill frees at once. It returns an `ImportedKV`, or
+    raises `ImportFailed` (with `recompute_on_failure`, a failure other than a
+    mismatch returns an `ImportedKV` with no blocks instead). A caller cancelled
+    mid-import does not cut the pull short (a pull in its thread writes into the
+    reserved blocks): the import ends on its own and its blocks are freed then.
+    """
+
+    def __init__(
+        self,
+        backend: KVTransferBackend,
+        blocks: ImportBlocks,
+        *,
+        timeout_s: float,
+        lease_ttl_s: float,
+        recompute_on_failure: bool,
+        recorder: metrics.Recorder | None = None,
+    ) -> None:
+        self.backend = backend
+        self.blocks = blocks
+        self.timeout_s = timeout_s
+        self.recompute_on_failure = recompute_on_failure
+        # Past this an import cannot still be pulling for any lease: TTL + one pull + slack.
+        self.stale_after_s = lease_ttl_s + timeout_s + 5.0
+        self._recorder = recorder
+        self._counts = {"imports": 0, "import_rejects": 0, "import_failures": 0, "import_recomputes": 0}
+        self._reclaimed = 0
+        self._lock = threading.Lock()
+        self._custody: dict[int, ImportedKV] = {}
+        # The loop keeps only weak references to tasks: an import nobody awaits any more
+        # (its caller left) must not be collected half-way.
+        self._running: set[asyncio.Future] = set()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._running)
+
+    async def import_kv(self, handle: KVHandle, parent: Span | TraceCarrier | None = None) -> ImportedKV:
+        """The request's prompt KV in this replica's blocks; traced as a `kv_transfer` span."""
+        task = asyncio.ensure_future(self._traced(handle, parent))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        try:
+            return await asyncio.shield(task)
+        except BaseException:  # cancelled, or the import failed (then it holds nothing)
+            task.add_done_callback(_discard_result)
+            raise
+
+    async def _traced(self, handle: KVHandle, parent: Span | TraceCarrier | None) -> ImportedKV:
+        span = tracing.start_span("kv_transfer", parent, SpanKind.CLIENT, {
+            "duet.transfer.backend": handle.backend,
+            "duet.transfer.blocks": handle.num_blocks,
+            "duet.transfer.bytes": handle.num_bytes,
+            "duet.transfer.prefill_replica": handle.prefill_replica_id,
+            "duet.lease_id": handle.lease_id,
+        })
+        try:
+            imported = await self._import(handle, span)
+        except BaseException as e:
+            tracing.end_span(span, e)
+            raise
+        tracing.set_attributes(span, {"duet.transfer.recomputed": True} if imported.recompute
+                               else {"duet.transfer.result": "released"})
+        tracing.end_span(span)
+        return imported
+
+    async def _import(self, handle: KVHandle, span: Span) -> ImportedKV:
+        imported: ImportedKV | None = None
+        try:
+            lease_left = check_handle(self.backend, handle)  # before reserving anything
+            blocks = await reserve_when_free(
+                lambda: self.blocks.reserve_blocks(handle.num_tokens),
+                could_fit=self.blocks.could_ever_hold(handle.num_tokens),
+                wait_s=lease_left - self.timeout_s,  # the pull itself must still fit in the lease
+            )
+            if blocks is None:
+                return await self._failed(handle, span, RejectReason.NO_FREE_BLOCKS,
+                                          "decode replica has no free KV blocks")
+            imported = self._hold(handle.request_id, blocks)
+            started = time.monotonic()
+            await asyncio.to_thread(pull_kv, self.backend, handle, blocks, timeout_s=self.timeout_s)
+            pulled = time.monotonic() - started
+        except (TransferError, LayoutMismatch) as e:
+            if imported is not None:
+                imported.discard()
+            return await self._failed(handle, span, _reject_reason(e), str(e))
+        except BaseException:
+            if imported is not None:
+                imported.discard()
+            raise
+        self._count("imports")
+        if self._recorder is not None:
+            self._recorder.inc(metrics.TRANSFER_BYTES, handle.num_bytes, backend=handle.backend)
+            self._recorder.observe(metrics.TRANSFER_SECONDS, pulled, backend=handle.backend)
+        tracing.set_attributes(span, {"duet.transfer.pull_ms": round(pulled * 1e3, 3)})
+        await asyncio.to_thread(release_lease, handle, self.timeout_s)
+        return imported
+
+    async def _failed(self, handle: KVHandle, span: Span, reason: RejectReason, detail: str) -> ImportedKV:
+        """Reject the lease (prefill frees at once), count, and recompute or raise."""
+        if self._recorder is not None:
+            self._recorder.inc(metrics.TRANSFER_FAILURES, reason=reason.value)
+        tracing.set_attributes(span, {"duet.transfer.result": _result(reason), "duet.transfer.error": detail[:300]})
+        self._count("import_rejects" if reason == RejectReason.NO_FREE_BLOCKS else "import_failures")
+        await asyncio.to_thread(reject_lease, handle, reason, self.timeout_s)
+        if self.recompute_on_failure and reason not in _NEVER_RECOMPUTE:
+            self._count("import_recomputes")
+            log.warning("recomputing %s after failed import: %s", handle.request_id, detail)
+            return self._hold(handle.request_id, None)
+        raise ImportFailed(reason.value, detail)
+
+    def _hold(self, request_id: str, blocks: list[int] | None) -> ImportedKV:
+        imported = ImportedKV(request_id, blocks, self)
+        with self._lock:
+            self._custody[id(imported)] = imported
+        return imported
+
+    def _ended(self, imported: ImportedKV) -> None:
+        with self._lock:
+            self._custody.pop(id(imported), None)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    def sweep(self) -> int:
+        """Free blocks held past any lease they could still be pulled for: a safety
+        net like the lease TTL on the prefill side, logged and counted, because it
+        means an owner lost track of them. Returns the blocks freed."""
+        cutoff = time.monotonic() - self.stale_after_s
+        with self._lock:
+            stale = [c for c in self._custody.values() if c.since < cutoff]
+        freed = 0
+        for imported in stale:
+            n = imported.discard()
+            if n:
+                log.warning("import of %s held %d KV blocks for over %.0f s: reclaimed",
+                            imported.request_id, n, self.stale_after_s)
+            freed += n
+        with self._lock:
+            self._reclaimed += freed
+        return freed
+
+    def stats(self) -> ImportStats:
+        now = time.monotonic()
+        with self._lock:
+            held = sorted(self._custody.values(), key=lambda c: c.since)
+            counts, reclaimed = dict(self._counts), self._reclaimed
+        return ImportStats(
+            **counts,
+            imports_waiting=self.num_waiting,
+            import_blocks_held=sum(c.num_blocks for c in held),
+            import_held_oldest=tuple((c.request_id, round(now - c.since, 1)) for c in held[:4]),
+            import_blocks_reclaimed=reclaimed,
+        )
+
+    def stats_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self.stats())
+
+
+async def reserve_when_free(
+    reserve: Callable[[], Awaitable[list[int] | None]], could_fit: bool, wait_s: float,
+    first_delay_s: float = 0.01, max_delay_s: float = 0.2,
+) -> list[int] | None:
+    """Blocks for an import. A full pool that could hold the prompt frees blocks as
+    running sequences finish: wait for them (backing off) for up to `wait_s`, rather
+    than fail a request a burst's backlog flushed in at once. One that could never
+    hold it (or no time left) is refused at once. None: no blocks."""
+    deadline = time.monotonic() + wait_s
+    delay = first_delay_s
+    while True:
+        blocks = await reserve()
+        if blocks is not None or not could_fit or time.monotonic() + delay > deadline:
+            return blocks
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, max_delay_s)
+
+
+# A mismatch is a deployment error: recomputing would hide it (docs/ARCHITECTURE.md).
+_NEVER_RECOMPUTE = (RejectReason.LAYOUT_MISMATCH, RejectReason.BACKEND_MISMATCH, RejectReason.PEER_MISMATCH)
+
+
+def _discard_result(task: asyncio.Future) -> None:
+    """Done-callback of an import whose caller left: free what it still holds."""
+    if task.cancelled():
+        return
+    error = task.exception()
+    if error is None:
+        task.result().discard()
+    elif not isinstance(error, ImportFailed):
+        log.warning("import failed after its caller left: %r", error)
+
+
+def _result(reason: RejectReason) -> str:
+    """A failed import's result on its trace: the lease was rejected (decode full),
+    ran out, or the transfer failed."""
+    if reason == RejectReason.NO_FREE_BLOCKS:
+        return "rejected"
+    if reason == RejectReason.LEASE_EXPIRED:
+        return "expired"
+    return "failed"
+
+
+def _reject_reason(exc: Exception) -> RejectReason:
+    if isinstance(exc, LayoutMismatch):
+        return RejectReason.LAYOUT_MISMATCH
+    if isinstance(exc, BackendMismatch):
+        return RejectReason.BACKEND_MISMATCH
+    if isinstance(exc, PeerMismatch):
+        return RejectReason.PEER_MISMATCH
+    if isinstance(exc, LeaseExpired):
+        return RejectReason.LEASE_EXPIRED
+    return RejectReason.TRANSFER_FAILED
+
+
+class LeaseGuard:
+    """`async with LeaseGuard(handle)`: on leaving the block, rejects the lease (so
+    prefill frees its blocks now rather than at expiry) unless `settled` says decode
+    ended it. The rejection is awaited, bounded by `timeout_s`; a caller cancelled
+    while waiting leaves it to finish in its thread."""
+
+    def __init__(self, handle: KVHandle, timeout_s: float = 1.0) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+        # Why the lease is rejected if the block is left now: nobody said otherwise,
+        # so the caller went away.
+        self.reason: RejectReason | None = RejectReason.CLIENT_DISCONNECTED
+
+    def settled(self) -> None:
+        """Decode released or rejected the lease itself: nothing to do on exit."""
+        self.reason = None
+
+    def reject_as(self, reason: RejectReason) -> None:
+        self.reason = reason
+
+    async def __aenter__(self) -> LeaseGuard:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self.reason is None:
+            return
+        loop = asyncio.get_running_loop()
+        sent = loop.run_in_executor(None, reject_lease, self.handle, self.reason, self.timeout_s)
+        await asyncio.shield(sent)

@@ -3,25 +3,38 @@
 Every hop is a frozen dataclass (Ray pickles them between replicas); nothing here
 holds a tensor or a connection. The flow (docs/ARCHITECTURE.md, "One request"):
 
-    prefill  --PrefillResult(kv_handle)-->  gateway  --DecodeRequest(kv_handle)-->  decode
+    gateway  --PrefillRequest-->  prefill  --PrefillResult(kv_handle)-->  gateway
+    gateway  --DecodeRequest(kv_handle)-->  decode
     decode   --Release | Reject-->  prefill            (ends the lease)
     gateway  --Reject(client_disconnected)-->  prefill (nobody will pull it)
 
 A client that goes away after decode started is a cancelled Serve call: the
 replica aborts the request in its engine and frees its blocks.
+
+Replicas report `RoutingStats` to the routers (Serve carries them as a dict).
+Per-request state that must follow a request across hops (a structured-output
+grammar's state, a tenant's cache salt) belongs in `PrefillRequest` and
+`DecodeRequest`, so a prefill, a handoff and a migration all continue one request.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 from kvtransfer.backends.base import PeerInfo
+from kvtransfer.events.log import KVLogWindow
 from kvtransfer.layout import LayoutFingerprint
+
+# The W3C trace context a caller passes on (telemetry/tracing.py `carrier`).
+TraceCarrier = dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,26 @@ class KVHandle:
 
 
 @dataclass(frozen=True)
+class PrefillRequest:
+    """One request from its prompt: what the gateway sends a prefill replica (which
+    computes the prompt and samples the first token) or an aggregated one (which
+    generates all of it). The routers read its fields to choose the replica."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    session_id: str | None = None  # `x-session-id`: an affinity hint for the prefill router
+    trace: TraceCarrier | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     """What prefill returns: the first token at once, and the KV to hand off.
 
@@ -93,17 +126,14 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class DecodeRequest:
-    """What the gateway sends decode: enough to continue generating after the first token.
-
-    ``sampling`` is opaque here (the engine's sampling params); kvtransfer never reads it.
-    """
+    """What the gateway sends decode: enough to continue generating after the first token."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     first_token: int
-    sampling: Any
+    sampling: SamplingParams
     kv_handle: KVHandle
-    trace: dict[str, str] | None = None  # the gateway's W3C trace context (telemetry/tracing.py)
+    trace: TraceCarrier | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
@@ -156,3 +186,43 @@ class ImportFailed(RuntimeError):
 
     def __reduce__(self):
         return (ImportFailed, (self.reason, str(self).split("): ", 1)[-1]))
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """What a pool replica reports to every router (Serve's `record_routing_stats`,
+    every `router.stats_period_s`). On the wire it is a dict (`to_wire`), since Serve
+    passes it through its controller; routers read it back with `from_wire`.
+    A replica that has not reported yet reads as idle with every block free."""
+
+    num_requests: int = 0  # waiting + running
+    queued_prefill_tokens: int = 0
+    kv_blocks_free: int | None = None  # None: not reported
+    kv_blocks_total: int = 0
+    # The requests the counts above count: a router takes off those it saw finish since.
+    request_ids: tuple[str, ...] = ()
+    model_fingerprint: str | None = None  # prefill: what prompts are hashed with
+    kv_log: KVLogWindow | None = None  # prefill, `router.prefix_index: memory`: its KV events
+
+    @classmethod
+    def of_engine(cls, stats: EngineStats, **extra: Any) -> RoutingStats:
+        return cls(
+            num_requests=stats.num_requests,
+            queued_prefill_tokens=stats.queued_prefill_tokens,
+            kv_blocks_free=stats.kv_blocks_free,
+            kv_blocks_total=stats.kv_blocks_total,
+            request_ids=stats.request_ids,
+            **extra,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+    @classmethod
+    def from_wire(cls, stats: Mapping[str, Any] | None) -> RoutingStats:
+        if not stats:
+            return cls()
+        known = {k: v for k, v in stats.items() if k in cls.__dataclass_fields__ and v is not None}
+        if "request_ids" in known:
+            known["request_ids"] = tuple(known["request_ids"])
+        return cls(**known)

@@ -27,7 +27,7 @@ import numpy as np
 
 from autoscaling.config import BudgetConfig, CapacityProfile, PoolAutoscaling, SLOConfig
 from autoscaling.policy import GoodputPolicy, PoolPolicy, PoolState
-from autoscaling.signals import DecodeSignals, GatewaySignals, PrefillSignals, ReplicaReport
+from autoscaling.signals import DecodeSignals, GatewaySignals, LoadSnapshot, PrefillSignals, ReplicaReport
 from loadgen.distributions import LengthDist
 from loadgen.simulator import DecodeModel, PrefillModel
 
@@ -275,11 +275,11 @@ class ClusterSim:
     def _report(self, r: Replica) -> dict[str, float]:
         if r.pool == "prefill":
             waiting = [q for q in r.queue if q.prefill_start is None]
-            return r.signals.report({"queued_prefill_tokens": sum(q.prompt for q in waiting),
-                                     "num_waiting": len(waiting), "num_running": len(r.queue) - len(waiting)})
+            return r.signals.report(LoadSnapshot(queued_prefill_tokens=sum(q.prompt for q in waiting),
+                                                 num_waiting=len(waiting), num_running=len(r.queue) - len(waiting)))
         total = 1 << 20  # KV is not the limit in this model: the batch's step time is
-        return r.signals.report({"num_running": len(r.running), "num_waiting": len(r.queue),
-                                 "kv_blocks_total": total, "kv_blocks_free": total}, waiting_imports=0)
+        return r.signals.report(LoadSnapshot(num_running=len(r.running), num_waiting=len(r.queue),
+                                             kv_blocks_total=total, kv_blocks_free=total), waiting_imports=0)
 
     def _serve_queue_rule(self, pool: str, target: float, since: dict) -> int:
         """Ray Serve's default policy: replicas = ongoing requests / target, acted on

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from autoscaling.signals import PrefillSignals
 from engine.async_engine import start_engine
 from engine.config import EngineConfig
 from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
 from kvtransfer.backends import backend_for
 from kvtransfer.config import TransferConfig
 from kvtransfer.events.config import PrefixIndexConfig
 from kvtransfer.events.publisher import KVEventPublisher
 from kvtransfer.handoff import KVExporter
-from kvtransfer.messages import PrefillResult
+from kvtransfer.messages import PrefillRequest, PrefillResult, RoutingStats
 from kvtransfer.replica import node_ip, replica_id
 from prefill.kv_tier.config import KVTierConfig
 from telemetry import tracing
@@ -74,51 +74,34 @@ class PrefillServer:
         log.info("prefill replica %s ready (backend %s)", self.replica_id, backend.name)
 
     def _free_blocks(self, block_ids) -> None:
-        eng = self.aengine.engine
-        ids = list(block_ids)
-        self.aengine.submit(lambda: eng.release_blocks(ids))
+        self.aengine.release_blocks(list(block_ids))
 
-    def _engine_stats(self) -> dict:
-        return {**self.aengine.stats, **self.exporter.stats(), **(self.tier.as_dict() if self.tier is not None else {})}
+    def _engine_stats(self) -> dict[str, Any]:
+        tier = self.tier.as_dict() if self.tier is not None else {}
+        return {**self.aengine.stats.as_dict(), **self.exporter.stats(), **tier}
 
-    def record_routing_stats(self) -> dict:
+    def record_routing_stats(self) -> dict[str, Any]:
         """Read by Serve every `router.stats_period_s` and handed to every router."""
-        s = self.aengine.stats
-        out = {
-            "queued_prefill_tokens": s["queued_prefill_tokens"],
-            "num_running": s["num_running"] + s["num_waiting"],
-            "kv_blocks_free": s["kv_blocks_free"],
-            "kv_blocks_total": s["kv_blocks_total"],
-            "request_ids": s["request_ids"],
-            "model_fingerprint": self.aengine.engine.model_fingerprint,
-        }
-        window = self.events.window()
-        if window is not None:
-            out["kv_log"] = window
-        return out
+        return RoutingStats.of_engine(
+            self.aengine.stats, model_fingerprint=self.aengine.model_fingerprint, kv_log=self.events.window()
+        ).to_wire()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by Serve every `metrics_interval_s` for the autoscaling policy
         (autoscaling/signals.py names what is in it)."""
         return self.signals.report(self.aengine.stats)
 
-    async def prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        session_id: str | None = None,
-        trace: dict | None = None,
-    ) -> PrefillResult:
-        """`session_id` is a routing hint only (routing/router/serve_routers.py);
-        `trace` the caller's W3C trace context (telemetry/tracing.py)."""
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        """The prompt computed, its first token sampled and its KV leased for a decode
+        replica (`req.session_id` was the router's hint; `req.trace` is continued)."""
+        request_id = req.request_id
         span = tracing.start_span(
-            "prefill", trace, SpanKind.SERVER,
+            "prefill", req.trace, SpanKind.SERVER,
             {"duet.request_id": request_id, "duet.replica": self.replica_id,
-             "gen_ai.usage.input_tokens": len(prompt_token_ids)},
+             "gen_ai.usage.input_tokens": req.num_prompt_tokens},
         )
         try:
-            result = await self._prefill(request_id, prompt_token_ids, sampling, span)
+            result = await self._prefill(req, span)
         except asyncio.CancelledError:
             # The engine may have finished and leased the blocks just before the cancel
             # landed (the abort that ran on the way out then finds nothing to abort):
@@ -138,11 +121,9 @@ class PrefillServer:
         tracing.end_span(span)
         return result
 
-    async def _prefill(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, span) -> PrefillResult:
-        eng = self.aengine.engine
-        stream = await self.aengine.add(
-            request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id)
-        )
+    async def _prefill(self, req: PrefillRequest, span: tracing.Span) -> PrefillResult:
+        request_id = req.request_id
+        stream = await self.aengine.add_request(request_id, list(req.prompt_token_ids), req.sampling)
         final = None
         async for outs in stream:
             final = outs[-1]
@@ -169,9 +150,9 @@ class PrefillServer:
             finish_reason=reason,
         )
 
-    async def stats(self) -> dict:
+    async def stats(self) -> dict[str, Any]:
         return {
-            **self.aengine.stats,
+            **self.aengine.stats.as_dict(),
             "replica_id": self.replica_id,
             "node_ip": node_ip(),
             **self.exporter.stats(),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Protocol
 
 from opentelemetry.trace import Span
@@ -60,7 +60,7 @@ class ReplicaTelemetry:
             attrs[f"duet.cached_tokens.{source}"] = n
         tracing.set_attributes(span, attrs)
 
-    async def traced(self, span: Span, batches: AsyncIterator[list]) -> AsyncIterator[list]:
+    async def traced(self, span: Span, batches: AsyncGenerator[list, None]) -> AsyncGenerator[list, None]:
         """A replica's stream of output batches, passed through: counts the tokens on
         `span`, reports the final output's engine metrics, and ends `span` however the
         stream ends (a client that leaves is `duet.cancelled`, not an error). Closing

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from kvtransfer.backends.base import (
     KVTransferBackend,
@@ -41,7 +42,7 @@ def make_backend(name: str, replica_id: str, model_id: str, **kw) -> KVTransferB
 def backend_for(cfg: TransferConfig, replica_id: str, model_id: str, host: str) -> KVTransferBackend:
     """The backend `transfer:` names, for a replica whose peers reach it at `host`
     (its node's cluster address: gloo binds to it; UCX finds its own interfaces)."""
-    options = {"torch": {"host": host}, "nixl": {"ucx_tls": cfg.ucx_tls}}[cfg.backend]
+    options: dict[str, Any] = {"torch": {"host": host}, "nixl": {"ucx_tls": cfg.ucx_tls}}[cfg.backend]
     return make_backend(cfg.backend, replica_id, model_id, **options)
 
 

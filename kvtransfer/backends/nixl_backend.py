@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,7 +62,7 @@ class _Peer:
     """Decode-side state for one remote agent: its prepared block descriptors."""
 
     agent_name: str
-    remote_dlist: object
+    remote_dlist: Any  # a nixl prepared descriptor list (nixl ships no type stubs)
 
 
 class NixlBackend(KVTransferBackend):

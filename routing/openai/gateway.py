@@ -9,8 +9,6 @@ the right status; an error after streaming began is sent as a final SSE event.
 
 import asyncio
 import logging
-import time
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -21,8 +19,6 @@ from ray import serve
 from autoscaling.config import SLOConfig
 from autoscaling.signals import GatewaySignals
 from engine.config import EngineConfig
-from engine.request import RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from engine.weights import served_model_name
 from kvtransfer.replica import replica_id
@@ -36,10 +32,11 @@ from routing.openai.protocol import ChatCompletionRequest, CompletionRequest, Mo
 from routing.openai.protocol import make_response_id
 from routing.openai.stream import ChatStream, CompletionStream, build_chat_response, build_completion_response
 from routing.openai.config import GatewayConfig
+from routing.openai.record import Admission, Call, RequestRecord
 from routing.openai.stream import sse_error
 from telemetry import metrics, tracing
 from telemetry.config import TelemetryConfig
-from telemetry.tracing import Context, SpanKind
+from telemetry.tracing import Context
 
 log = logging.getLogger(__name__)
 
@@ -62,44 +59,6 @@ def _session(request: Request) -> str | None:
 def _trace_parent(request: Request) -> Context | None:
     """The client's W3C trace context: its request becomes part of the client's trace."""
     return tracing.context_from_headers(request.headers)
-
-
-# gen_ai.operation.name of each endpoint (OpenTelemetry GenAI semantic conventions).
-_OPERATION = {"chat": "chat", "completions": "text_completion"}
-
-
-def _request_attributes(call: "_Call") -> dict:
-    sp = call.sampling
-    return {
-        "gen_ai.operation.name": _OPERATION[call.endpoint],
-        "gen_ai.request.model": call.model,
-        "gen_ai.response.model": call.model,
-        "gen_ai.response.id": call.request_id,
-        "gen_ai.request.max_tokens": sp.max_tokens,
-        "gen_ai.request.temperature": sp.temperature,
-        "gen_ai.request.top_p": sp.top_p,
-        "gen_ai.request.seed": sp.seed,
-        "duet.request_id": call.request_id,
-    }
-
-
-@dataclass(frozen=True)
-class _Call:
-    """One generation request as the gateway runs it."""
-
-    endpoint: str
-    request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    session: str | None  # `x-session-id`: an affinity hint for the prefill router
-    key: str  # the caller's API key id
-    model: str  # the served model name
-    trace_parent: Context | None = None  # the client's `traceparent`, if it sent one
-
-    @property
-    def cost(self) -> int:
-        """What it may use of its key's token budget: prompt + max_tokens."""
-        return len(self.prompt_ids) + self.sampling.max_tokens
 
 
 @serve.deployment(name="gateway")
@@ -128,8 +87,10 @@ class Gateway:
         self.signals = GatewaySignals(slo_cfg.ttft_ms, slo_cfg.tpot_ms, quantile=slo_cfg.goodput_target)
         self.keys = APIKeys.load(self.cfg.api_keys_file)
         self.resilience = pipeline.Resilience(self.cfg.max_migrations, self.cfg.prefill_retries)
-        self.limiter = KeyLimiter(self.cfg.max_in_flight_per_key, self.cfg.tokens_per_minute_per_key)
-        self.in_flight = 0
+        self.admission = Admission(
+            KeyLimiter(self.cfg.max_in_flight_per_key, self.cfg.tokens_per_minute_per_key),
+            self.cfg.max_pending_requests, lambda n: self.record.set(metrics.IN_FLIGHT, n),
+        )
         self._ready = False
         if self.cfg.cors_allow_origins:
             # Before the first request builds the middleware stack (FastAPI refuses after).
@@ -143,7 +104,7 @@ class Gateway:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """End-to-end latencies, goodput and arrivals for the autoscaling policy
         (read by Serve every `metrics_interval_s`)."""
-        self.signals.in_flight = self.in_flight
+        self.signals.in_flight = self.admission.in_flight
         return self.signals.report()
 
     # ------------------------------------------------------------ probes
@@ -196,10 +157,10 @@ class Gateway:
             raise invalid_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
         ids = await asyncio.to_thread(self.tokenizer.encode, text)
         sp = req.to_sampling_params(len(ids), self.max_model_len, self.cfg.max_tokens)
-        call = _Call(
+        call = Call(
             "chat", make_response_id("chat"), ids, sp, _session(request), key, self.model_name, _trace_parent(request)
         )
-        self._admit(call)
+        self.admission.check(call)
         if req.stream:
             builder = ChatStream(
                 call.request_id, self.model_name, include_usage=req.include_usage, logprobs=req.logprobs,
@@ -224,11 +185,11 @@ class Gateway:
         if not ids:
             raise invalid_request("prompt must not be empty", "prompt")
         sp = req.to_sampling_params(len(ids), self.max_model_len, self.cfg.max_tokens)
-        call = _Call(
+        call = Call(
             "completions", make_response_id("completion"), ids, sp, _session(request), key, self.model_name,
             _trace_parent(request),
         )
-        self._admit(call)
+        self.admission.check(call)
         logprobs = req.logprobs is not None
         if req.stream:
             builder = CompletionStream(
@@ -257,58 +218,20 @@ class Gateway:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.convert_ids_to_tokens([token_id])[0]
 
-    def _admit(self, call: _Call) -> None:
-        """Refuse with a 429 before any work (and before a stream's 200): the gateway's
-        queue is full, the key has no request slot, or not enough of its token budget."""
-        self._check_capacity()
-        self.limiter.check(call.key)
-        self.limiter.charge(call.key, call.cost)
-
-    def _check_capacity(self) -> None:
-        if self.in_flight >= self.cfg.max_pending_requests:
-            raise overloaded(f"{self.in_flight} requests in flight; retry later")
-
-    def _run(self, call: _Call, timing: pipeline.Timing, trace: dict | None):
+    def _run(self, call: Call, record: RequestRecord):
+        req = call.to_pool(record.trace)
         if self.aggregated is not None:
-            return pipeline.aggregated(self.aggregated, call.request_id, call.prompt_ids, call.sampling, timing, trace)
-        return pipeline.disaggregated(
-            self.prefill, self.decode, call.request_id, call.prompt_ids, call.sampling, timing, call.session, trace,
-            self.resilience,
-        )
+            return pipeline.aggregated(self.aggregated, req)
+        return pipeline.disaggregated(self.prefill, self.decode, req, record.timing, self.resilience)
 
-    async def _observed(self, call: _Call):
-        """The pipeline's batches, with latency metrics, in-flight accounting and the
-        request's SERVER span (the root of its trace, or a child of the client's)."""
-        self._check_capacity()
-        self.limiter.acquire(call.key)
-        self.in_flight += 1
-        self.record.set(metrics.IN_FLIGHT, self.in_flight)
-        self.signals.arrived(len(call.prompt_ids))
-        timing = pipeline.Timing()
-        span = tracing.NO_SPAN
-        if tracing.enabled():  # off: not even the attributes are built
-            span = tracing.start_span(
-                f"{_OPERATION[call.endpoint]} {call.model}", call.trace_parent, SpanKind.SERVER, _request_attributes(call)
-            )
-        last = first = None
-        n_out = 0
-        usage: RequestOutput | None = None
-        finish = None
+    async def _observed(self, call: Call):
+        """The pipeline's batches, bracketed by the call's admission and recorded."""
+        self.admission.enter(call)
+        record = RequestRecord(call, self.record, self.signals)
         status, error = "error", None
         try:
-            async for outs in pipeline.within(self._run(call, timing, tracing.carrier(span)), self.cfg.request_timeout_s):
-                now = time.monotonic()
-                if last is None:
-                    first = now
-                    self.record.observe(metrics.TTFT, now - timing.start)
-                    self.record.inc(metrics.PROMPT_TOKENS, outs[0].num_prompt_tokens)
-                    self.record.inc(metrics.CACHED_TOKENS, outs[0].num_cached_tokens)
-                    usage = outs[0]
-                else:
-                    self.record.observe(metrics.ITL, now - last)
-                last = now
-                n_out += sum(len(o.new_token_ids) for o in outs)
-                finish = outs[-1].finish_reason or finish
+            async for outs in pipeline.within(self._run(call, record), self.cfg.request_timeout_s):
+                record.batch(outs)
                 yield outs
             status = "ok"
         except (asyncio.CancelledError, GeneratorExit):
@@ -318,39 +241,10 @@ class Gateway:
             error = e
             raise
         finally:
-            self.limiter.release(call.key)
-            self.in_flight -= 1
-            self.record.set(metrics.IN_FLIGHT, self.in_flight)
-            self.record.inc(metrics.REQUESTS, endpoint=call.endpoint, status=status)
-            self.record.inc(metrics.OUTPUT_TOKENS, n_out)
-            self.record.inc(metrics.MIGRATIONS, timing.migrations)
-            self.record.inc(metrics.PREFILL_RETRIES, timing.prefill_retries)
-            end = time.monotonic()
-            self.record.observe(metrics.E2E, end - timing.start)
-            tpot = None
-            if status == "ok" and n_out > 1 and first is not None and last is not None:
-                tpot = (last - first) / (n_out - 1)
-                self.record.observe(metrics.TPOT, tpot)
-            if status != "cancelled":  # a client that left says nothing of the SLO
-                self.signals.finished(None if first is None else first - timing.start, tpot, ok=status == "ok")
-                if (goodput := self.signals.goodput()) is not None:
-                    self.record.set(metrics.GOODPUT, goodput)
-            if span is not tracing.NO_SPAN:
-                tracing.set_attributes(span, {
-                    "gen_ai.usage.input_tokens": usage.num_prompt_tokens if usage else len(call.prompt_ids),
-                    "gen_ai.usage.cache_read.input_tokens": usage.num_cached_tokens if usage else None,
-                    "gen_ai.usage.output_tokens": n_out,
-                    "gen_ai.response.finish_reasons": [finish.value] if finish is not None else None,
-                    "duet.status": status,
-                    "duet.ttft_ms": None if first is None else round((first - timing.start) * 1e3, 3),
-                    "duet.tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
-                    "duet.e2e_ms": round((end - timing.start) * 1e3, 3),
-                    "duet.migrations": timing.migrations,
-                    "duet.prefill_retries": timing.prefill_retries,
-                })
-                tracing.end_span(span, error)
+            self.admission.leave(call)
+            record.close(status, error)
 
-    async def _collect(self, call: _Call):
+    async def _collect(self, call: Call):
         outs = []
         try:
             async for batch in self._observed(call):
@@ -359,7 +253,7 @@ class Gateway:
             raise _upstream_error(e) from e
         return outs
 
-    def _stream(self, call: _Call, builder) -> StreamingResponse:
+    def _stream(self, call: Call, builder) -> StreamingResponse:
         async def body():
             try:
                 async for outs in self._observed(call):

@@ -1,10 +1,12 @@
 """The path of one request behind the gateway, as a stream of output batches.
 
-Disaggregated: prefill → (first token to the client at once) → decode, which
-imports the KV and streams the rest. Aggregated: one pool does both. Whatever ends
-the stream early (client gone, replica dead) is handled here: in-flight Serve calls
-are cancelled, and a lease nobody will pull is rejected so prefill frees it now
-rather than at TTL.
+Disaggregated: a loop of passes (`disaggregated`); one pass (`_Pass`) is prefill →
+(first token to the client at once) → decode, which imports the KV and streams the
+rest, and says how it ended (`Outcome`): done, migrate or prefill again. Aggregated:
+one pool does both. Whatever ends the stream early (client gone, replica dead) is
+handled here: in-flight Serve calls are cancelled, and a lease nobody will pull is
+rejected (`LeaseGuard`) so prefill frees it now rather than at TTL. Nothing here reads
+gateway state: it runs wherever the request's stream is served.
 
 Replicas that die are survived here. A prefill replica that dies before answering:
 the call is tried on another one (`gateway.prefill_retries`). A decode replica that
@@ -27,14 +29,15 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from engine.async_engine import EngineDead
 from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer.handoff import reject_lease
-from kvtransfer.messages import DecodeRequest, ImportFailed, PrefillResult, RejectReason
+from kvtransfer.handoff import LeaseGuard
+from kvtransfer.messages import DecodeRequest, ImportFailed, KVHandle, PrefillRequest, PrefillResult, RejectReason
 from routing.openai.errors import deadline_exceeded
 
 log = logging.getLogger(__name__)
@@ -79,82 +82,95 @@ class Resilience:
     prefill_retries: int = 0
 
 
+class Outcome(StrEnum):
+    """How one prefill → decode pass ended."""
+
+    DONE = "done"  # the request ended (decode streamed it to the end, or prefill finished it)
+    MIGRATE = "migrate"  # the decode replica was lost mid-stream: continue from what was streamed
+    REPREFILL = "reprefill"  # decode could not import the KV (its source is gone): prefill again
+
+
 async def disaggregated(
-    prefill_handle,
-    decode_handle,
-    request_id: str,
-    prompt_ids: list[int],
-    sp: SamplingParams,
-    timing: Timing,
-    session_id: str | None = None,
-    trace: dict[str, str] | None = None,
-    resilience: Resilience = Resilience(),
+    prefill_handle, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience = Resilience()
 ) -> AsyncIterator[list[RequestOutput]]:
-    """`session_id` is the router's affinity hint (routing/router/serve_routers.py);
-    `trace` the W3C context both pools continue (telemetry/tracing.py)."""
-    generated: list[int] = []  # every token streamed so far, across migrations
-    view = _ClientView(request_id, len(prompt_ids))
+    """The request's output batches across as many passes as replica losses need: each
+    pass continues from every token the client has been sent (`req.session_id` is the
+    prefill router's hint, `req.trace` the context both pools continue)."""
+    view = _ClientView(req.request_id, req.num_prompt_tokens)
+    generated: list[int] = []  # every token streamed so far, across passes
     for hop in itertools.count():
-        # Each pass is a new request for the pools (a replica may still know the last id).
-        sub_id = request_id if hop == 0 else f"{request_id}.m{hop}"
-        base = len(generated)
-        remaining = _remaining(sp, base)
+        remaining = _remaining(req.sampling, len(generated))
         if remaining is None:  # the lost replica had produced every token; only the end was lost
-            yield [view.final(FinishReason.LENGTH, base)]
+            yield [view.final(FinishReason.LENGTH, len(generated))]
             return
-        context = prompt_ids + generated
-        result = await _prefill(prefill_handle, sub_id, context, remaining, session_id, trace, timing, resilience)
-        first = view.adapt(_first_output(result), base)
-        generated.append(result.first_token)
-        if result.kv_handle is None:
-            yield [first]
+        # Each pass is a new request for the pools (a replica may still know the last id).
+        sub = dataclasses.replace(
+            req, request_id=req.request_id if hop == 0 else f"{req.request_id}.m{hop}",
+            prompt_token_ids=req.prompt_token_ids + tuple(generated), sampling=remaining,
+        )
+        one = _Pass(prefill_handle, decode_handle, sub, timing, resilience)
+        base = len(generated)
+        async for outs in one.run():
+            outs = [view.adapt(o, base) for o in outs]
+            generated.extend(t for o in outs for t in o.new_token_ids)
+            yield outs
+        if one.outcome is Outcome.DONE:
             return
-        ended = False  # decode streamed the request to its end
-        # Why the lease is rejected if the request leaves this pass early; None: decode did.
-        reject: RejectReason | None = RejectReason.CLIENT_DISCONNECTED
+
+
+class _Pass:
+    """One prefill → decode pass of a request: prefill (retried on another replica if
+    its replica is lost), the first token at once, then decode under a `LeaseGuard`.
+    `outcome` says how it ended; a failure it cannot recover from raises `UpstreamError`."""
+
+    def __init__(self, prefill_handle, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience):
+        self.prefill, self.decode = prefill_handle, decode_handle
+        self.req, self.timing, self.resilience = req, timing, resilience
+        self.outcome = Outcome.DONE
+
+    async def run(self) -> AsyncIterator[list[RequestOutput]]:
+        result = await _prefill(self.prefill, self.req, self.timing, self.resilience)
+        if result.kv_handle is None:  # finished at prefill: no lease was granted
+            yield [_first_output(result)]
+            return
+        async with LeaseGuard(result.kv_handle, _REJECT_TIMEOUT_S) as lease:
+            yield [_first_output(result)]
+            async for outs in self._decode(result, result.kv_handle, lease):
+                yield outs
+
+    async def _decode(self, result: PrefillResult, handle: KVHandle, lease: LeaseGuard):
+        req = self.req
+        call = DecodeRequest(req.request_id, req.prompt_token_ids, result.first_token, req.sampling, handle, req.trace)
+        stream = self.decode.options(stream=True).generate.remote(call)
         try:
-            yield [first]
-            req = DecodeRequest(sub_id, tuple(context), result.first_token, remaining, result.kv_handle, trace)
-            stream = decode_handle.options(stream=True).generate.remote(req)
-            try:
-                start_within = max(0.0, result.kv_handle.lease_expiry - time.time()) + _DECODE_START_GRACE_S
-                async for outs in _started_within(stream, start_within):
-                    outs = [view.adapt(o, base) for o in outs]
-                    generated.extend(t for o in outs for t in o.new_token_ids)
-                    yield outs
-                ended = True
-                return
-            except (asyncio.CancelledError, GeneratorExit):
-                stream.cancel()
-                raise
-            except _REPLICA_GONE as e:
-                if timing.migrations >= resilience.max_migrations:
-                    n = resilience.max_migrations
-                    limit = f" (migration limit {n} reached)" if n else ""
-                    raise UpstreamError(f"decode failed{limit}: {_short(e)}") from e
-                timing.migrations += 1
-                reject = RejectReason.DECODE_LOST
-                log.warning("request %s: decode replica lost after %d tokens (%s); migrating (%d of %d)",
-                            request_id, len(generated), _short(e), timing.migrations, resilience.max_migrations)
-            except UpstreamError:
-                raise
-            except ImportFailed as e:
-                if e.reason not in _SOURCE_LOST or timing.prefill_retries >= resilience.prefill_retries:
-                    raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
-                timing.prefill_retries += 1
-                reject = None  # decode rejected it; its replica may be gone
-                log.warning("request %s: KV import failed (%s); prefilling again", request_id, _short(e))
-            except Exception as e:
+            start_within = max(0.0, handle.lease_expiry - time.time()) + _DECODE_START_GRACE_S
+            async for outs in _started_within(stream, start_within):
+                yield outs
+            lease.settled()  # decode released it
+        except (asyncio.CancelledError, GeneratorExit):
+            stream.cancel()
+            raise
+        except _REPLICA_GONE as e:
+            lease.reject_as(RejectReason.DECODE_LOST)
+            if self.timing.migrations >= self.resilience.max_migrations:
+                n = self.resilience.max_migrations
+                limit = f" (migration limit {n} reached)" if n else ""
+                raise UpstreamError(f"decode failed{limit}: {_short(e)}") from e
+            self.timing.migrations += 1
+            self.outcome = Outcome.MIGRATE
+            log.warning("request %s: decode replica lost (%s); migrating (%d of %d)",
+                        req.request_id, _short(e), self.timing.migrations, self.resilience.max_migrations)
+        except UpstreamError:
+            raise
+        except ImportFailed as e:
+            lease.settled()  # decode rejected it (and its replica may be gone)
+            if e.reason not in _SOURCE_LOST or self.timing.prefill_retries >= self.resilience.prefill_retries:
                 raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
-        finally:
-            if not ended and reject is not None:
-                # Nobody will use this lease now: free the prefill blocks at once rather than
-                # at expiry. Decode may have ended it already (then this is a no-op), or may
-                # still be pulling: its copy is discarded with the cancelled call, never cached.
-                # Not awaited: a cancelled request's task is cancelled again at every await.
-                asyncio.get_running_loop().run_in_executor(
-                    None, reject_lease, result.kv_handle, reject, _REJECT_TIMEOUT_S
-                )
+            self.timing.prefill_retries += 1
+            self.outcome = Outcome.REPREFILL
+            log.warning("request %s: KV import failed (%s); prefilling again", req.request_id, _short(e))
+        except Exception as e:
+            raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
 
 
 async def _started_within(stream, timeout_s: float) -> AsyncIterator:
@@ -173,20 +189,21 @@ async def _started_within(stream, timeout_s: float) -> AsyncIterator:
         yield outs
 
 
-async def _prefill(handle, request_id, prompt_ids, sp, session_id, trace, timing: Timing, resilience: Resilience):
+async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resilience) -> PrefillResult:
     """The prefill call, tried on another replica when the one it reached is gone."""
-    for attempt in range(resilience.prefill_retries + 1):
+    for attempt in itertools.count():
         try:
-            return await handle.prefill.remote(request_id, prompt_ids, sp, session_id=session_id, trace=trace)
+            return await handle.prefill.remote(req)
         except asyncio.CancelledError:
             raise
         except _REPLICA_GONE as e:
-            if attempt == resilience.prefill_retries:
+            if attempt >= resilience.prefill_retries:
                 raise UpstreamError(f"prefill failed: {_short(e)}") from e
             timing.prefill_retries += 1
-            log.warning("request %s: prefill replica lost (%s); trying another", request_id, _short(e))
+            log.warning("request %s: prefill replica lost (%s); trying another", req.request_id, _short(e))
         except Exception as e:
             raise UpstreamError(f"prefill failed: {_short(e)}") from e
+    raise AssertionError("unreachable")
 
 
 async def within(batches: AsyncIterator, timeout_s: float | None) -> AsyncIterator:
@@ -262,10 +279,9 @@ def _remaining(sp: SamplingParams, done: int) -> SamplingParams | None:
     return dataclasses.replace(sp, max_tokens=sp.max_tokens - done)
 
 
-async def aggregated(
-    handle, request_id: str, prompt_ids: list[int], sp: SamplingParams, timing: Timing, trace: dict | None = None
-):
-    stream = handle.options(stream=True).generate.remote(request_id, prompt_ids, sp, trace=trace)
+async def aggregated(handle, req: PrefillRequest) -> AsyncIterator[list[RequestOutput]]:
+    """The request's output batches from one aggregated replica."""
+    stream = handle.options(stream=True).generate.remote(req)
     try:
         async for outs in stream:
             yield outs

@@ -3,16 +3,15 @@
 `KVAwarePrefillRouter` is set on the prefill deployment (cluster/app.py) through
 ``RequestRouterConfig``; Serve instantiates it in every process that holds a
 handle to the pool (the gateway replicas, a test driver). For each pending
-``prefill(request_id, prompt_token_ids, sampling, session_id=None)`` call it
-hashes the prompt (engine/hashing.py, with the pool's model fingerprint), asks the
+``prefill(PrefillRequest)`` call it hashes the prompt (engine/hashing.py, with the pool's model fingerprint), asks the
 prefix index which replica holds the longest leading run, builds a
 `ReplicaSnapshot` per replica and lets the pure policy `routing.router.policy.choose_prefill`
 decide. This module only gathers the snapshot and applies the decision.
 
 Where the numbers come from
 ---------------------------
-- **Load.** Each replica's ``record_routing_stats()`` (queued prefill tokens,
-  running requests, free KV blocks) reaches every router through the Serve
+- **Load.** Each replica's ``record_routing_stats()`` (a `RoutingStats`: queued
+  prefill tokens, requests, free KV blocks) reaches every router through the Serve
   controller every ``request_routing_stats_period_s``. That is too stale for a
   burst, so the router also counts what *it* decided, sent and has not seen
   complete (`_plan`, `on_request_routed`, `on_request_completed`): tokens still to
@@ -41,8 +40,8 @@ Where the numbers come from
   index entries of replicas that are not running any more (a router that was down
   when they went away).
 
-Session affinity: the gateway passes ``x-session-id`` as the ``session_id``
-kwarg; the replica the session last used gets a cost bonus (a hint: load and
+Session affinity: the gateway passes ``x-session-id`` as the request's
+``session_id``; the replica the session last used gets a cost bonus (a hint: load and
 the imbalance guard still win).
 
 `KVAwareDecodeRouter` chooses a decode replica by free KV blocks and running
@@ -58,17 +57,20 @@ import random
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from engine.hashing import block_hashes
-from routing.router.affinity import SessionAffinity
-from kvtransfer.events.log import events_after
+from kvtransfer.events.log import KVLogWindow, events_after
 from kvtransfer.events.prefix_index import PrefixIndex, make_prefix_index
+from kvtransfer.messages import DecodeRequest, PrefillRequest, RoutingStats
+from routing.router.affinity import SessionAffinity
 from routing.router.policy import ReplicaSnapshot, RouterConfig, RoutingDecision, choose_decode, choose_prefill
 from telemetry import metrics, tracing
 
 log = logging.getLogger("ray.serve")
+_M = TypeVar("_M", PrefillRequest, DecodeRequest)
 
 # How long a finished request is remembered to correct replica reports taken before
 # it finished (reports are at most `request_routing_stats_period_s` + a broadcast old),
@@ -136,15 +138,15 @@ class _LoadTracking:
         })
         tracing.end_span(span)
 
-    def _load(self, key: str, r: RunningReplica, tokens_stat: str, requests_stat: str) -> tuple[int, int]:
-        """(tokens, requests) queued on a replica: its last report, less the requests
-        in it that this router has since seen finish, and never less than what this
-        router has in flight there now, decided-but-not-yet-sent requests included (a
-        burst of decisions must see the ones just before it)."""
-        reported = set(_stat(r, "request_ids", ()))
+    def _load(self, key: str, stats: RoutingStats) -> tuple[int, int]:
+        """(prefill tokens, requests) queued on a replica: its last report, less the
+        requests in it that this router has since seen finish, and never less than what
+        this router has in flight there now, decided-but-not-yet-sent requests included
+        (a burst of decisions must see the ones just before it)."""
+        reported = set(stats.request_ids)
         stale = [t for rid, _, t in self._completed.get(key, ()) if rid is not None and rid in reported]
-        tokens = int(_stat(r, tokens_stat)) - sum(stale) if tokens_stat else 0
-        requests = int(_stat(r, requests_stat)) - len(stale)
+        tokens = stats.queued_prefill_tokens - sum(stale)
+        requests = stats.num_requests - len(stale)
         local_tokens, local_requests = self._local(key)
         return max(tokens, local_tokens), max(requests, local_requests)
 
@@ -199,9 +201,8 @@ class _LoadTracking:
         self._completed.pop(key, None)
 
 
-def _stat(replica: RunningReplica, name: str, default=0):
-    value = (replica.routing_stats or {}).get(name)
-    return default if value is None else value
+def _stats(replica: RunningReplica) -> RoutingStats:
+    return RoutingStats.from_wire(replica.routing_stats)
 
 
 class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
@@ -244,16 +245,17 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
         self._known = set(current)
         self._synced_once = self._synced_once or bool(current)
         for key, r in current.items():
-            fp = _stat(r, "model_fingerprint", None)
+            stats = _stats(r)
+            fp = stats.model_fingerprint
             if fp and fp != self.model_fingerprint:
                 if self.model_fingerprint:
                     log.error("KV-aware router: replica %s reports fingerprint %r, expected %r; using the replica's",
                               key, fp, self.model_fingerprint)
                 self.model_fingerprint = fp
             if self.index_kind == "memory":
-                self._apply_log(key, _stat(r, "kv_log", None))
+                self._apply_log(key, stats.kv_log)
 
-    def _apply_log(self, key: str, window) -> None:
+    def _apply_log(self, key: str, window: KVLogWindow | None) -> None:
         if window is None:
             return
         events, restarted = events_after(window, self._cursors.get(key))
@@ -279,13 +281,14 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
 
     # ------------------------------------------------------------ the decision
     def _snapshot(self, key: str, r: RunningReplica) -> ReplicaSnapshot:
-        tokens, requests = self._load(key, r, "queued_prefill_tokens", "num_running")
+        stats = _stats(r)
+        tokens, requests = self._load(key, stats)
         return ReplicaSnapshot(
             replica_id=key,
             queued_prefill_tokens=tokens,
             running_requests=requests,
-            free_kv_blocks=int(_stat(r, "kv_blocks_free")),
-            total_kv_blocks=int(_stat(r, "kv_blocks_total")),
+            free_kv_blocks=stats.kv_blocks_free or 0,
+            total_kv_blocks=stats.kv_blocks_total,
         )
 
     async def choose_replicas(
@@ -293,9 +296,10 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        prompt = _prompt_ids(pending_request)
-        if prompt is None:  # stats(), take_kv_events(), ...: any replica
+        req = _message(pending_request, "prefill", PrefillRequest)
+        if req is None:  # stats(), take_kv_events(), ...: any replica
             return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
+        prompt = req.prompt_token_ids
         started = time.monotonic()
         # Let completion callbacks already queued on this loop run first, so a request
         # that just finished is not counted as load.
@@ -307,12 +311,12 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
             matched = self.index.match(hashes)
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         snapshots = [self._snapshot(k, r) for k, r in by_key.items()]
-        session = pending_request.kwargs.get("session_id")
         decision = choose_prefill(
-            len(prompt), snapshots, matched, self.config, self.block_size, self.affinity.get(session), self._rng
+            len(prompt), snapshots, matched, self.config, self.block_size, self.affinity.get(req.session_id),
+            self._rng,
         )
-        self._observe(decision, pending_request.kwargs.get("trace"), started, max(matched.values(), default=0))
-        self.affinity.record(session, decision.replica_id)
+        self._observe(decision, req.trace, started, max(matched.values(), default=0))
+        self.affinity.record(req.session_id, decision.replica_id)
         to_compute = len(prompt) - decision.cached_blocks * self.block_size
         self._plan(pending_request, decision.replica_id, to_compute, len(prompt))
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
@@ -346,47 +350,43 @@ class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        handle = _kv_handle(pending_request)
-        if handle is None:
+        req = _message(pending_request, "generate", DecodeRequest)
+        if req is None:
             return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
         started = time.monotonic()
-        need = -(-handle.num_tokens // self.block_size) + 1
+        need = -(-req.kv_handle.num_tokens // self.block_size) + 1
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         snapshots = []
         for key, r in by_key.items():
-            _, running = self._load(key, r, "", "num_running")
+            stats = _stats(r)
+            _, running = self._load(key, stats)
             pending_blocks, _ = self._local(key)  # sent or about to be, maybe not yet imported
+            free = stats.kv_blocks_free if stats.kv_blocks_free is not None else 1 << 30  # unreported: free
             snapshots.append(
                 ReplicaSnapshot(
                     replica_id=key,
                     running_requests=running,
-                    free_kv_blocks=max(0, int(_stat(r, "kv_blocks_free", 1 << 30)) - pending_blocks),
-                    total_kv_blocks=int(_stat(r, "kv_blocks_total")),
+                    free_kv_blocks=max(0, free - pending_blocks),
+                    total_kv_blocks=stats.kv_blocks_total,
                 )
             )
         decision = choose_decode(snapshots, self.config, need, self._rng)
-        self._observe(decision, getattr(pending_request.args[0], "trace", None), started)
+        self._observe(decision, req.trace, started)
         self._plan(pending_request, decision.replica_id, need)  # tracked in blocks here
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
         return [[by_key[decision.replica_id]], *([r] for r in rest)]
 
 
+def _message(pr: PendingRequest | None, method: str, kind: type[_M]) -> _M | None:
+    """The typed message of a `method(message)` call, or None for any other call."""
+    if pr is None or pr.metadata.call_method != method or not pr.args:
+        return None
+    msg = pr.args[0]
+    return msg if isinstance(msg, kind) else None
+
+
 def _request_id(pr: PendingRequest) -> str | None:
-    """Our request id: the first argument of `prefill(request_id, ...)`, or the
-    `request_id` of `generate(DecodeRequest)`."""
-    first = pr.args[0] if pr.args else pr.kwargs.get("request_id")
-    return first if isinstance(first, str) else getattr(first, "request_id", None)
-
-
-def _prompt_ids(pr: PendingRequest | None) -> list[int] | None:
-    """The prompt of a `prefill(request_id, prompt_token_ids, sampling)` call."""
-    if pr is None or pr.metadata.call_method != "prefill":
-        return None
-    ids = pr.args[1] if len(pr.args) > 1 else pr.kwargs.get("prompt_token_ids")
-    return list(ids) if ids is not None else None
-
-
-def _kv_handle(pr: PendingRequest | None):
-    if pr is None or pr.metadata.call_method != "generate" or not pr.args:
-        return None
-    return getattr(pr.args[0], "kv_handle", None)
+    """Our request id, from the call's message (`prefill(PrefillRequest)`,
+    `generate(DecodeRequest)`); None for other calls."""
+    msg = pr.args[0] if pr.args else None
+    return msg.request_id if isinstance(msg, (PrefillRequest, DecodeRequest)) else None

@@ -4,7 +4,15 @@ on a fake clock."""
 import pytest
 
 from autoscaling import signals as sig
-from autoscaling.signals import BusyTime, DecodeSignals, GatewaySignals, PrefillSignals, ReplicaReport, Window
+from autoscaling.signals import (
+    BusyTime,
+    DecodeSignals,
+    GatewaySignals,
+    LoadSnapshot,
+    PrefillSignals,
+    ReplicaReport,
+    Window,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -46,7 +54,7 @@ def test_prefill_reports_queue_speed_and_latency():
     s.request(arrival=97.0, first_scheduled=98.0, first_token=99.0, finished=99.0, prompt_tokens=1000, cached_tokens=0)
     s.request(arrival=97.5, first_scheduled=99.0, first_token=100.0, finished=100.0, prompt_tokens=1000,
               cached_tokens=400)
-    r = s.report({"queued_prefill_tokens": 300, "num_waiting": 1, "num_running": 1})
+    r = s.report(LoadSnapshot(queued_prefill_tokens=300, num_waiting=1, num_running=1))
     assert r[sig.QUEUED_PROMPT_TOKENS] == 300 and r[sig.WAITING] == 1
     assert r[sig.CAPACITY_TOKENS_PER_S] == pytest.approx(1600 / 2.0)
     assert r[sig.QUEUE_WAIT_MS] == pytest.approx(1500.0)
@@ -56,7 +64,7 @@ def test_prefill_reports_queue_speed_and_latency():
 def test_prefill_reports_no_speed_from_under_a_second_of_work():
     s = PrefillSignals(clock=Clock())
     s.request(99.5, 99.6, 99.9, 99.9, 100, 0)
-    assert s.report({"queued_prefill_tokens": 0, "num_waiting": 0, "num_running": 0})[sig.CAPACITY_TOKENS_PER_S] == 0
+    assert s.report(LoadSnapshot())[sig.CAPACITY_TOKENS_PER_S] == 0
 
 
 def test_gateway_goodput_judges_both_slos_and_failures():
@@ -82,7 +90,7 @@ def test_decode_reports_the_mean_batch_its_tpot_was_measured_at():
     c.now += 10
     for _ in range(3):  # three sequences, each decoding for the last 8 s: a batch of 2.4
         s.request(first_scheduled=c.now - 8, finished=c.now, output_tokens=81)
-    r = s.report({"num_running": 0, "num_waiting": 0, "kv_blocks_total": 10, "kv_blocks_free": 10}, waiting_imports=0)
+    r = s.report(LoadSnapshot(kv_blocks_total=10, kv_blocks_free=10), waiting_imports=0)
     assert r[sig.MEAN_BATCH] == pytest.approx(2.4)
     assert r[sig.REPLICA_TPOT_MS] == pytest.approx(100.0) and r[sig.MEAN_TPOT_MS] == pytest.approx(100.0)
     assert r[sig.KV_BLOCKS_USED] == 0

@@ -79,7 +79,7 @@ def test_hit_on_a_fresh_engine_is_exact(make_engine):
     assert hit.num_cached_tokens == 96
     assert tier_b.loads == [(0, 96)]
     s = b.stats()
-    assert s["external_kv_hit_tokens"] == 96 and s["external_kv_loaded_tokens"] == 96
+    assert s.external_kv_hit_tokens == 96 and s.external_kv_loaded_tokens == 96
 
 
 def test_lookup_leaves_the_last_token_to_compute(make_engine):
@@ -115,7 +115,7 @@ def test_pool_hit_is_cut_back_to_a_chunk_boundary(make_engine):
     assert tier_b.loads == [(32, 96)]
     assert hit.token_ids == miss.token_ids
     assert hit.num_cached_tokens == 96
-    assert b.stats()["external_kv_hit_tokens"] == 48  # beyond the pool's own hit
+    assert b.stats().external_kv_hit_tokens == 48  # beyond the pool's own hit
 
 
 def test_failed_load_computes_instead(make_engine):
@@ -129,7 +129,7 @@ def test_failed_load_computes_instead(make_engine):
     out = run(b, ids)
     assert out.token_ids == miss.token_ids and out.num_cached_tokens == 0
     s = b.stats()
-    assert s["external_kv_load_failures"] == 1 and s["external_kv_hit_tokens"] == 0
+    assert s.external_kv_load_failures == 1 and s.external_kv_hit_tokens == 0
 
 
 def test_prefill_role_stores_before_export(make_engine):

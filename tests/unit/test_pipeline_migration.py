@@ -15,7 +15,7 @@ from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from kvtransfer.backends.base import PeerInfo
 from kvtransfer.layout import LayoutFingerprint
-from kvtransfer.messages import ImportFailed, KVHandle, PrefillResult, RejectReason
+from kvtransfer.messages import ImportFailed, KVHandle, PrefillRequest, PrefillResult, RejectReason
 from routing.openai import pipeline
 
 pytestmark = pytest.mark.unit
@@ -36,13 +36,14 @@ class _Remote:
 
 
 class FakePrefill:
-    """`prefill.remote(...)`: the engine computes the prompt and samples one token."""
+    """`prefill.remote(PrefillRequest)`: the engine computes the prompt and samples one token."""
 
     def __init__(self, engine, die_times: int = 0, lease_s: float = 30.0):
         self.engine, self.die_times, self.calls, self.lease_s = engine, die_times, [], lease_s
         self.prefill = _Remote(self._prefill)
 
-    async def _prefill(self, request_id, prompt_ids, sp, session_id=None, trace=None):
+    async def _prefill(self, req: PrefillRequest):
+        request_id, prompt_ids, sp = req.request_id, req.prompt_token_ids, req.sampling
         self.calls.append((request_id, list(prompt_ids), sp.max_tokens))
         if self.die_times:
             self.die_times -= 1
@@ -112,6 +113,10 @@ def prompt(engine):
     return engine.tokenizer.encode("The capital of France is")
 
 
+def request(prompt: list[int], request_id: str = "req") -> PrefillRequest:
+    return PrefillRequest(request_id, tuple(prompt), GREEDY)
+
+
 @pytest.fixture
 def reference(make_engine, prompt):
     e = make_engine()
@@ -126,7 +131,7 @@ async def test_a_lost_decode_replica_migrates_the_request(make_engine, prompt, r
     prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[10])
     timing = pipeline.Timing()
     outs = await collect(pipeline.disaggregated(
-        prefill, decode, "req", prompt, GREEDY, timing, resilience=pipeline.Resilience(max_migrations=1)))
+        prefill, decode, request(prompt), timing, resilience=pipeline.Resilience(max_migrations=1)))
     assert [t for o in outs for t in o.new_token_ids] == reference
     assert timing.migrations == 1
     # the continuation re-prefilled the prompt + the 11 tokens streamed (1 from prefill, 10 from decode)
@@ -140,10 +145,10 @@ async def test_past_the_migration_limit_the_request_fails(make_engine, prompt):
     prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[3, 3])
     with pytest.raises(pipeline.UpstreamError, match=r"decode failed \(migration limit 1 reached\)"):
         await collect(pipeline.disaggregated(
-            prefill, decode, "req", prompt, GREEDY, pipeline.Timing(), resilience=pipeline.Resilience(1)))
+            prefill, decode, request(prompt), pipeline.Timing(), resilience=pipeline.Resilience(1)))
     with pytest.raises(pipeline.UpstreamError):
         await collect(pipeline.disaggregated(
-            FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[3]), "req", prompt, GREEDY,
+            FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[3]), request(prompt),
             pipeline.Timing()))  # no migrations allowed
 
 
@@ -151,11 +156,11 @@ async def test_a_lost_prefill_replica_is_retried(make_engine, prompt, reference)
     prefill, decode = FakePrefill(make_engine(), die_times=1), FakeDecode(make_engine(), die_after=[])
     timing = pipeline.Timing()
     outs = await collect(pipeline.disaggregated(
-        prefill, decode, "req", prompt, GREEDY, timing, resilience=pipeline.Resilience(prefill_retries=1)))
+        prefill, decode, request(prompt), timing, resilience=pipeline.Resilience(prefill_retries=1)))
     assert [t for o in outs for t in o.new_token_ids] == reference and timing.prefill_retries == 1
     with pytest.raises(pipeline.UpstreamError, match="prefill failed"):
         await collect(pipeline.disaggregated(
-            FakePrefill(make_engine(), die_times=2), decode, "req2", prompt, GREEDY, pipeline.Timing(),
+            FakePrefill(make_engine(), die_times=2), decode, request(prompt, "req2"), pipeline.Timing(),
             resilience=pipeline.Resilience(prefill_retries=1)))
 
 
@@ -166,7 +171,7 @@ async def test_kv_lost_with_its_prefill_replica_is_prefilled_again(make_engine, 
     decode = FakeDecode(make_engine(), die_after=[], import_fails=[RejectReason.TRANSFER_FAILED])
     timing = pipeline.Timing()
     outs = await collect(pipeline.disaggregated(
-        prefill, decode, "req", prompt, GREEDY, timing, resilience=pipeline.Resilience(prefill_retries=1)))
+        prefill, decode, request(prompt), timing, resilience=pipeline.Resilience(prefill_retries=1)))
     assert [t for o in outs for t in o.new_token_ids] == reference
     assert (timing.prefill_retries, timing.migrations) == (1, 0)
     assert prefill.calls[1] == ("req.m1", prompt + reference[:1], GREEDY.max_tokens - 1)
@@ -179,7 +184,7 @@ async def test_import_failures_that_are_not_retried_fail_the_request(make_engine
     # Out of retries, or a failure another prefill would not cure (capacity, config).
     decode = FakeDecode(make_engine(), die_after=[], import_fails=[reason, reason])
     with pytest.raises(pipeline.UpstreamError, match=reason) as err:
-        await collect(pipeline.disaggregated(FakePrefill(make_engine()), decode, "req", prompt, GREEDY,
+        await collect(pipeline.disaggregated(FakePrefill(make_engine()), decode, request(prompt),
                                              pipeline.Timing(), resilience=pipeline.Resilience(1, retries)))
     assert err.value.capacity == (reason == RejectReason.NO_FREE_BLOCKS)
     assert len(decode.requests) == 1
@@ -214,6 +219,6 @@ async def test_a_decode_call_no_replica_starts_fails_once_its_lease_is_over(make
     monkeypatch.setattr(pipeline, "_DECODE_START_GRACE_S", 0.2)
     prefill, decode = FakePrefill(make_engine(), lease_s=0.1), _NeverStarted()
     with pytest.raises(pipeline.UpstreamError, match="no decode replica started the request") as e:
-        await collect(pipeline.disaggregated(prefill, decode, "req", prompt, GREEDY, pipeline.Timing()))
+        await collect(pipeline.disaggregated(prefill, decode, request(prompt), pipeline.Timing()))
     assert e.value.capacity  # a 503: retry later
     assert decode.cancelled  # the Serve call is withdrawn

@@ -16,7 +16,9 @@ import pytest
 
 from engine.hashing import block_hashes
 from engine.kv_events import BlockStored
+from engine.sampling_params import SamplingParams
 from kvtransfer.events.log import KVEventLog
+from kvtransfer.messages import PrefillRequest, RoutingStats
 from routing.router.serve_routers import KVAwarePrefillRouter
 
 pytestmark = pytest.mark.unit
@@ -29,8 +31,7 @@ _ids = itertools.count()
 def replica(name: str, **stats) -> SimpleNamespace:
     """A `RunningReplica` as the router sees it: an id and its last routing stats."""
     rid = SimpleNamespace(deployment_id=SimpleNamespace(name="prefill"), unique_id=name)
-    report = {"queued_prefill_tokens": 0, "num_running": 0, "kv_blocks_free": 100, "kv_blocks_total": 100,
-              "request_ids": [], **stats}
+    report = RoutingStats(kv_blocks_free=100, kv_blocks_total=100).to_wire() | stats
     return SimpleNamespace(replica_id=rid, routing_stats=report)
 
 
@@ -38,7 +39,7 @@ def pending(prompt: list[int]) -> SimpleNamespace:
     n = next(_ids)
     return SimpleNamespace(
         metadata=SimpleNamespace(internal_request_id=f"internal-{n}", call_method="prefill"),
-        args=(f"req-{n}", prompt, None),
+        args=(PrefillRequest(f"req-{n}", tuple(prompt), SamplingParams()),),
         kwargs={},
     )
 
@@ -78,12 +79,12 @@ def test_a_shared_prefix_goes_to_its_holder_even_when_its_report_is_stale():
         r.on_request_routed(pr, a.replica_id, None)
         r.on_request_completed(a.replica_id, pr.metadata.internal_request_id)
         # The replica reported while the request was queued; that report is still current.
-        a.routing_stats.update(queued_prefill_tokens=len(prompt), num_running=1, request_ids=[pr.args[0]])
+        a.routing_stats.update(queued_prefill_tokens=len(prompt), num_requests=1, request_ids=[pr.args[0].request_id])
 
 
 def test_a_report_of_requests_still_running_counts_as_load():
     r = router(imbalance_threshold=1e9)
-    a = replica("a", kv_log=holding(PREFIX).window(), queued_prefill_tokens=40 * BS, num_running=3,
+    a = replica("a", kv_log=holding(PREFIX).window(), queued_prefill_tokens=40 * BS, num_requests=3,
                 request_ids=["other-router-1", "other-router-2", "other-router-3"])
     b = replica("b")
     r._sync([a, b])
