@@ -5,7 +5,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: setup demo test test-unit test-integration bench
+.PHONY: setup demo test test-unit test-integration lint bench
 
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -18,6 +18,9 @@ demo: setup
 
 test: setup
 	bash scripts/test.sh
+
+lint: setup
+	bash scripts/lint.sh
 
 test-unit: setup
 	$(PY) -m pytest -m unit -q

@@ -78,8 +78,8 @@ def bench_memcpy(spec: KVSpec, runs: int) -> list[Result]:
             dst.index_copy_(0, l_idx, src.index_select(0, r_idx))
             times.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for r, l in zip(remote, local):
-                dst[l].copy_(src[r])
+            for r, loc in zip(remote, local):
+                dst[loc].copy_(src[r])
             block_times.append(time.perf_counter() - t0)
         out.append(_result("memcpy", tokens, n, bpb, times[1:], None))
         out.append(_result("blockcp", tokens, n, bpb, block_times[1:], None))

@@ -20,10 +20,10 @@ from engine.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig, Role, resolve_device, resolve_dtype
 from engine.cpu_kernels import select_decode_kernel
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import KVCache, num_blocks_for
-from engine.kv_cache_manager import KVCacheManager
 from engine.external_kv import ExternalKVCache, check_chunk_size
 from engine.hashing import model_fingerprint
+from engine.kv_cache import KVCache, num_blocks_for
+from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEvent
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner

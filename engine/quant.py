@@ -16,7 +16,7 @@ tolerance.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 
@@ -61,7 +61,7 @@ class Int8Weight:
         return (self.qweight.float() * self.scales.float()[:, None]).t().to(self.scales.dtype)
 
 
-Linear = Union[torch.Tensor, Int8Weight]
+Linear = torch.Tensor | Int8Weight
 
 
 # Above this many rows (a prefill chunk) the int8 kernel loses to dequantizing into

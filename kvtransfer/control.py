@@ -171,7 +171,7 @@ class ControlServer:
             log.warning("control message dropped: %s", e)
         except (asyncio.LimitOverrunError, ValueError):
             self.dropped["oversized"] += 1
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             self.dropped["timeout"] += 1
         except (ConnectionError, OSError):
             pass

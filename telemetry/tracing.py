@@ -160,7 +160,7 @@ def record_span(
 
 def set_attributes(span: Span, attributes: Mapping[str, Any]) -> None:
     if span is not NO_SPAN and span.is_recording():
-        span.set_attributes(_clean(attributes))
+        span.set_attributes(_clean(attributes) or {})
 
 
 def carrier(span: Span | None) -> Carrier | None:

@@ -42,7 +42,8 @@ def make_backend(name: str, replica_id: str, model_id: str, **kw) -> KVTransferB
 def backend_for(cfg: TransferConfig, replica_id: str, model_id: str, host: str) -> KVTransferBackend:
     """The backend `transfer:` names, for a replica whose peers reach it at `host`
     (its node's cluster address: gloo binds to it; UCX finds its own interfaces)."""
-    options: dict[str, Any] = {"torch": {"host": host}, "nixl": {"ucx_tls": cfg.ucx_tls}}[cfg.backend]
+    by_backend: dict[str, dict[str, Any]] = {"torch": {"host": host}, "nixl": {"ucx_tls": cfg.ucx_tls}}
+    options = by_backend[cfg.backend]
     return make_backend(cfg.backend, replica_id, model_id, **options)
 
 

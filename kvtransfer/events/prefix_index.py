@@ -46,7 +46,7 @@ class PrefixIndex(abc.ABC):
     def replicas(self) -> set[str]:
         """Replicas that reported events and were not removed."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: only an index with connections overrides it
         """Release connections; the in-process index holds none."""
 
 

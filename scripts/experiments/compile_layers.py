@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
 from bench.engine import bench_prompts  # noqa: E402
 from engine import model as M  # noqa: E402
 from engine.attention import paged_attention  # noqa: E402
@@ -72,7 +73,9 @@ def run(b):
 
 t0 = time.perf_counter()
 m.forward = lambda *a: forward(*a, pre=cpre, post=cpost)
-run(1); run(32); run(8)
+run(1)
+run(32)
+run(8)
 print(f"{dtype}: compile + first runs {time.perf_counter() - t0:.1f} s", flush=True)
 for b in (1, 8, 32):
     res = {"eager": [], "compiled": []}

@@ -191,7 +191,7 @@ def test_completion_validation(extra, param, words):
 def test_parse_request_raw_bodies():
     assert parse_request(ChatCompletionRequest, json.dumps({"messages": MSGS})).messages[0].text == "hi"
     for raw in (b"{not json", b"", b"[1, 2]", b"\xff\xfe"):
-        err = api_error(lambda: parse_request(ChatCompletionRequest, raw))
+        err = api_error(lambda raw=raw: parse_request(ChatCompletionRequest, raw))
         assert err.status == 400 and err.param is None
     assert api_error(lambda: parse_request(ChatCompletionRequest, b'{"messages": 1}')).param == "messages"
 
