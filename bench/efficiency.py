@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cluster import serve_cli
 from bench.loadgen_subprocess import run_loadgen, summarize
 from bench.machine_ceilings import cpu_flags
+from cluster import serve_cli
 from cluster.config import load_config
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams

@@ -174,7 +174,8 @@ class ClusterSim:
                 next_sample += 1.0
                 timeline.append({"t": round(self.now, 2), "rate": rate(self.now),
                                  **{f"{p}_replicas": self._target(p) for p in self.replicas},
-                                 "ttft_p90_ms": self.gateway.ttft.quantile(0.9) and self.gateway.ttft.quantile(0.9) * 1e3,
+                                 "ttft_p90_ms": self.gateway.ttft.quantile(0.9)
+                                 and self.gateway.ttft.quantile(0.9) * 1e3,
                                  "goodput": self.gateway.goodput()})
         return SimRun(policy.name, [r for r in requests if r.arrival < duration_s - 60 or r.done is not None],
                       timeline, actions, cost)
@@ -184,7 +185,8 @@ class ClusterSim:
         clock = lambda: self.now  # noqa: E731
         s = PrefillSignals(self.slo.goodput_target, clock=clock) if pool == "prefill" else \
             DecodeSignals(self.slo.goodput_target, clock=clock)
-        self.replicas[pool].append(Replica(pool, self.now, self.now if ready else self.now + self.cold_start_s, signals=s))
+        self.replicas[pool].append(Replica(pool, self.now, self.now if ready else self.now + self.cold_start_s,
+                                           signals=s))
 
     def _target(self, pool: str) -> int:
         return sum(1 for r in self.replicas[pool] if not r.draining)

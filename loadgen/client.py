@@ -91,7 +91,7 @@ class OpenAIClient:
         result.send_time = time.perf_counter()
         try:
             await asyncio.wait_for(self._stream(body, result), self.timeout_s)
-        except (asyncio.TimeoutError, httpx.TimeoutException):
+        except (TimeoutError, httpx.TimeoutException):
             result.outcome = Outcome.UNFINISHED
             result.error = f"timeout after {self.timeout_s:g}s"
         except httpx.HTTPError as e:

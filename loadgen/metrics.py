@@ -16,8 +16,9 @@ which is the denominator of `completion_ratio` and `goodput_ratio`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,8 @@ class SLO:
         return self.ttft_ms is None and self.tpot_ms is None and self.e2el_ms is None
 
     def describe(self) -> dict[str, float]:
-        return {k: v for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms)) if v is not None}
+        return {k: v for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms))
+                if v is not None}
 
 
 def parse_goodput(items: list[str] | None) -> SLO:

@@ -8,9 +8,10 @@ not decided here (see arrivals.py) except by trace replay, whose trace fixes the
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

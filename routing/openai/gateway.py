@@ -24,16 +24,33 @@ from engine.weights import served_model_name
 from kvtransfer.replica import replica_id
 from routing.openai import pipeline
 from routing.openai.access import APIKeys, KeyLimiter, check_headers, read_body
+from routing.openai.config import GatewayConfig
+from routing.openai.errors import (
+    APIError,
+    install_error_handlers,
+    internal_error,
+    invalid_request,
+    model_not_found,
+    not_ready,
+)
 from routing.openai.metrics import GatewayMetrics
 from routing.openai.openapi import publish_request_schemas, request_body
-from routing.openai.errors import APIError, install_error_handlers, internal_error, model_not_found, overloaded
-from routing.openai.errors import invalid_request, not_ready
-from routing.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
-from routing.openai.protocol import make_response_id
-from routing.openai.stream import ChatStream, CompletionStream, build_chat_response, build_completion_response
-from routing.openai.config import GatewayConfig
+from routing.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    make_response_id,
+    parse_request,
+)
 from routing.openai.record import Admission, Call, RequestRecord
-from routing.openai.stream import sse_error
+from routing.openai.stream import (
+    ChatStream,
+    CompletionStream,
+    build_chat_response,
+    build_completion_response,
+    sse_error,
+)
 from telemetry import metrics, tracing
 from telemetry.config import TelemetryConfig
 from telemetry.tracing import Context

@@ -26,7 +26,8 @@ class GatewayMetrics:
         self.recorder = Recorder("gateway", replica, registry=self.registry)
         self.recorder.declare(*GATEWAY_FAMILIES)
         self.pool = Gauge(
-            "duet_pool_stat", "Pool replica statistics (see `stat`)", ["pool", "replica", "stat"], registry=self.registry
+            "duet_pool_stat", "Pool replica statistics (see `stat`)", ["pool", "replica", "stat"],
+            registry=self.registry,
         )
 
     def observe_pool(self, pool: str, stats: dict) -> None:

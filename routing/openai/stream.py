@@ -20,7 +20,6 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from engine.request import FinishReason
-
 from routing.openai.errors import APIError
 from routing.openai.protocol import (
     ChatCompletionChoice,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import redis
 import yaml
-from mn_cluster import BYTES_PER_BLOCK, DuetServe, complete_unique, cluster_config, scrape, settled, total, wait_for
+from mn_cluster import BYTES_PER_BLOCK, DuetServe, cluster_config, complete_unique, scrape, settled, total, wait_for
 
 from cluster.serve_config import serve_config
 

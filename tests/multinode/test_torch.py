@@ -8,7 +8,7 @@ import math
 
 import pytest
 import yaml
-from mn_cluster import BYTES_PER_BLOCK, complete_unique, DuetServe, cluster_config, scrape, settled, total, wait_for
+from mn_cluster import BYTES_PER_BLOCK, DuetServe, cluster_config, complete_unique, scrape, settled, total, wait_for
 
 pytestmark = pytest.mark.multinode
 

@@ -10,12 +10,11 @@ import socket
 import time
 
 import pytest
+from test_kvtransfer_handoff import InProcessBackend  # tests/unit is on sys.path (rootdir conftest)
 
 from kvtransfer import control
 from kvtransfer.handoff import KVExporter, reject_lease, release_lease
 from kvtransfer.messages import Reject, RejectReason, Release
-
-from test_kvtransfer_handoff import InProcessBackend  # tests/unit is on sys.path (rootdir conftest)
 
 pytestmark = pytest.mark.unit
 

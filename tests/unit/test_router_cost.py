@@ -9,6 +9,7 @@ import pytest
 
 from engine.hashing import block_hashes
 from engine.kv_events import BlockStored
+from kvtransfer.events.prefix_index import InProcessPrefixIndex
 from routing.router.affinity import SessionAffinity
 from routing.router.policy import (
     ReplicaSnapshot,
@@ -16,7 +17,6 @@ from routing.router.policy import (
     choose_decode,
     choose_prefill,
 )
-from kvtransfer.events.prefix_index import InProcessPrefixIndex
 
 pytestmark = pytest.mark.unit
 
