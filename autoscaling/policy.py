@@ -159,7 +159,8 @@ class GoodputPolicy:
         missed = tail is not None and tail > bound
         if missed and n <= st.target and need.fixable:
             if warming:  # the replicas already coming will change the tail: wait for them
-                return st.target, "warming", f"{metric} {q} {tail:.0f} ms > {bound:.0f} ms; {st.target - len(warm)} warming"
+                return (st.target, "warming",
+                        f"{metric} {q} {tail:.0f} ms > {bound:.0f} ms; {st.target - len(warm)} warming")
             return st.target + 1, metric, f"{metric} {q} {tail:.0f} ms > SLO {bound:.0f} ms; {need.detail}"
         if n < st.target and need.fixable and tail is not None and tail > DOWNSCALE_LATENCY_MARGIN * bound:
             return st.target, "hold", f"{metric} {q} {tail:.0f} ms near SLO {bound:.0f} ms; {need.detail}"
@@ -213,7 +214,8 @@ class GoodputPolicy:
         fixable = seqs >= 2 * max(1, len(st.replicas))
         model = pool.profile.decode_model
         if model is None:
-            return _Need(by_kv, "kv", f"{used:.0f} KV blocks used of {per_replica:.0f} per replica: {by_kv:.2f} replicas",
+            return _Need(by_kv, "kv",
+                         f"{used:.0f} KV blocks used of {per_replica:.0f} per replica: {by_kv:.2f} replicas",
                          fixable)
         scale = self._refine_step_scale(name, model, warm)
         batch = model.max_batch_within(self.slo.tpot_ms * u / scale)

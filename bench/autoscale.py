@@ -131,7 +131,8 @@ def run_simulated(args: argparse.Namespace) -> dict:
             runs: list[SimRun] = []
             for seed in args.seeds:
                 sim = ClusterSim(profile, slo, pools, {"prefill": 1, "decode": 1}, parse_length(args.input_len),
-                                 parse_length(args.output_len), cold_start_s=args.cold_start_s, budget=budget, seed=seed)
+                                 parse_length(args.output_len), cold_start_s=args.cold_start_s, budget=budget,
+                                 seed=seed)
                 runs.append(sim.run(pol, rate, duration))
             rows.append(_median_row([r.summary(slo, burst) for r in runs]))
             if pol.name in PLOTTED:  # the first seed's, for the plots
@@ -158,7 +159,8 @@ def table(result: dict) -> str:
     lines = []
     for name, tr in result["traces"].items():
         lines.append(f"\n{name} trace ({tr['duration_s']:.0f} s), median of {len(result['seeds'])} seeds")
-        lines.append(f"{'policy':<10} {'goodput':>8} {'TTFT p90 ms':>12} {'replica-s':>10} {'actions':>8} {'recovery s':>11}")
+        lines.append(f"{'policy':<10} {'goodput':>8} {'TTFT p90 ms':>12} {'replica-s':>10} {'actions':>8} "
+                     f"{'recovery s':>11}")
         for r in tr["results"]:
             rec = r.get("recovery_s", "-")
             rec = "never" if rec is None else rec
@@ -296,7 +298,8 @@ class ReplicaSampler:
 
 def summarize_live(requests: list[dict], samples: list[dict], slo, pools: list[str]) -> dict:
     def good(r):
-        return r["ok"] and r["ttft_s"] * 1e3 <= slo.ttft_ms and (r["tpot_s"] is None or r["tpot_s"] * 1e3 <= slo.tpot_ms)
+        return (r["ok"] and r["ttft_s"] * 1e3 <= slo.ttft_ms
+                and (r["tpot_s"] is None or r["tpot_s"] * 1e3 <= slo.tpot_ms))
 
     ttfts = sorted(r["ttft_s"] for r in requests if r["ok"])
     out = {

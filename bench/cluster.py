@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"engine TTFT ({a.input_len} tokens, in-process): {result['engine_ttft_ms']['median_ms']:.1f} ms")
     if "modes" not in a.skip:
         result["modes"] = bench_modes(a.concurrency, a.num_prompts, a.input_len, a.output_len, a.port)
-        print(f"\n{'mode':15s}{'conc':>5s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}{'TPOT p99':>10s}{'out tok/s':>11s}")
+        print(f"\n{'mode':15s}{'conc':>5s}{'TTFT p50':>10s}{'TTFT p99':>10s}"
+              f"{'TPOT p50':>10s}{'TPOT p99':>10s}{'out tok/s':>11s}")
         for mode, rows in result["modes"].items():
             for r in rows:
                 print(f"{mode:15s}{r['concurrency']:5d}{r['ttft_p50_ms']:10.1f}{r['ttft_p99_ms']:10.1f}"

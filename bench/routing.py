@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.serve_cli import wait_ready
 
     os.environ.update(REPLICA_ENV)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, runtime_env={"env_vars": REPLICA_ENV})
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
+             runtime_env={"env_vars": REPLICA_ENV})
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     url = f"http://127.0.0.1:{args.port}"
     workloads = {
@@ -211,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fmt(r: dict) -> str:
-    return (f"{r['setup']:<18} {r['workload']:<21} ttft p50 {r['ttft_p50_ms']:7.0f} ms  p90 {r['ttft_p90_ms']:7.0f} ms  "
+    return (f"{r['setup']:<18} {r['workload']:<21} ttft p50 {r['ttft_p50_ms']:7.0f} ms  "
+            f"p90 {r['ttft_p90_ms']:7.0f} ms  "
             f"prefill tok/req {r['prefill_tokens_per_request']:6.0f}  hit {r['cached_hit_rate']:.2f} "
-            f"(pool {r['pool_hit_rate']:.2f}, cpu tier {r['tier_cpu_hit_rate']:.2f})  per replica {r['requests_per_replica']}")
+            f"(pool {r['pool_hit_rate']:.2f}, cpu tier {r['tier_cpu_hit_rate']:.2f})  "
+            f"per replica {r['requests_per_replica']}")
 
 
 def table(runs: list[dict]) -> str:

@@ -52,7 +52,8 @@ def one_trace(url: str, sink: OTLPSink, output_len: int) -> str:
 def _round(tracing: bool, sink: OTLPSink, a, tree: list[str]) -> list[dict]:
     overrides: dict = {"gateway.port": a.port}
     if tracing:
-        overrides |= {"telemetry.tracing": True, "telemetry.otlp_endpoint": sink.endpoint, "telemetry.sample_ratio": 1.0}
+        overrides |= {"telemetry.tracing": True, "telemetry.otlp_endpoint": sink.endpoint,
+                      "telemetry.sample_ratio": 1.0}
     url = serve_cli.start(load_config(a.config, overrides))
     try:
         if tracing and not tree:
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "summary": summary,
     }
-    print(f"\n{'conc':>4s}{'tok/s off':>11s}{'tok/s on':>10s}{'change':>8s}{'TTFT off':>10s}{'TTFT on':>9s}{'change':>8s}")
+    print(f"\n{'conc':>4s}{'tok/s off':>11s}{'tok/s on':>10s}{'change':>8s}"
+          f"{'TTFT off':>10s}{'TTFT on':>9s}{'change':>8s}")
     for s in summary:
         print(f"{s['concurrency']:4d}{s['off']['output_tok_s']:11.1f}{s['on']['output_tok_s']:10.1f}"
               f"{s['tok_s_change']:8.1%}{s['off']['ttft_p50_ms']:10.0f}{s['on']['ttft_p50_ms']:9.0f}{s['ttft_change']:8.1%}")

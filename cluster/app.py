@@ -121,8 +121,8 @@ def build_app(cfg: ClusterConfig):
         interval = min(p.autoscaling.signal_interval_s for p in goodput.values())
         gateway_opts["autoscaling_config"] = signal_only_autoscaling(1, 1, 1, interval)
     gateway = Gateway.options(**gateway_opts)
-    gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump(), "telemetry": _telemetry(cfg),
-                    "slo": cfg.slo.model_dump()}
+    gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump(),
+                    "telemetry": _telemetry(cfg), "slo": cfg.slo.model_dump()}
     if cfg.mode == "aggregated":
         pool = serve.deployment(AggregatedServer).options(**_options("aggregated", cfg.aggregated))
         return gateway.bind(**gateway_args, aggregated=pool.bind(**_pool_args(cfg, cfg.aggregated)))

@@ -83,7 +83,8 @@ class ClusterConfig(Strict):
         """Serve hangs silently when replicas need more CPUs than exist: fail first."""
         need = self.required_cpus()
         if need > available_cpus + 1e-9:
-            parts = ", ".join(f"{n}.replicas x {n}.num_cpus = {p.initial_replicas() * p.num_cpus:g}" for n, p in self.pools().items())
+            parts = ", ".join(f"{n}.replicas x {n}.num_cpus = {p.initial_replicas() * p.num_cpus:g}"
+                              for n, p in self.pools().items())
             raise ConfigError(
                 "num_cpus",
                 f"the pools need {need:g} CPUs ({parts}, gateway.num_cpus = {self.gateway.num_cpus:g}) "

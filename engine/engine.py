@@ -271,7 +271,8 @@ class Engine:
         bad = set()
         for s in sched.scheduled:
             try:
-                self.runner.execute(SchedulerOutput(decodes=[s]) if s.num_new_tokens == 1 else SchedulerOutput(prefills=[s]))
+                self.runner.execute(SchedulerOutput(decodes=[s]) if s.num_new_tokens == 1
+                                    else SchedulerOutput(prefills=[s]))
             except Exception as e:
                 bad.add(s.request.request_id)
                 outputs.append(self._fail(s.request, e))

@@ -51,7 +51,8 @@ def resolve_checkpoint(model: str) -> Checkpoint:
         return Checkpoint(path.stem, path, "gguf")
     if path.is_dir() and (path / "config.json").exists():
         return Checkpoint(path.name, path, "hf")
-    raise ConfigError("model", f"{model!r} is neither {DEFAULT_MODEL!r}, a .gguf file, nor a directory with config.json")
+    raise ConfigError("model",
+                      f"{model!r} is neither {DEFAULT_MODEL!r}, a .gguf file, nor a directory with config.json")
 
 
 def load_checkpoint(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -67,8 +67,10 @@ AUTOSCALE_CURRENT = _g("duet_autoscale_current_replicas", "Replicas the pool had
 AUTOSCALE_DECISIONS = _c("duet_autoscale_decisions_total", "Autoscaling changes by direction and reason",
                          ("direction", "reason"))
 
-ROUTER_DECISIONS = _c("duet_router_decisions_total", "Routing decisions by reason; replica = the chosen one", ("reason",))
-ROUTER_OVERLAP = _h("duet_router_overlap_blocks", "Prompt blocks cached on the chosen prefill replica", buckets=BLOCK_BUCKETS)
+ROUTER_DECISIONS = _c("duet_router_decisions_total", "Routing decisions by reason; replica = the chosen one",
+                      ("reason",))
+ROUTER_OVERLAP = _h("duet_router_overlap_blocks", "Prompt blocks cached on the chosen prefill replica",
+                    buckets=BLOCK_BUCKETS)
 # ---------------------------------------------------------------- replicas
 QUEUE_WAIT = _h("duet_queue_wait_seconds", "Time a request waited in a replica's queue before its first step")
 RUNNING = _g("duet_running_requests", "Sequences in the running batch")

@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def show(s: ReceivedSpan) -> None:
         parent = s.parent_span_id or "-" * 16
-        print(f"{s.trace_id[:16]} {parent} -> {s.span_id} {s.component or '?':10s} {s.name:40s} {s.duration_ms:9.2f} ms",
-              flush=True)
+        print(f"{s.trace_id[:16]} {parent} -> {s.span_id} {s.component or '?':10s} {s.name:40s} "
+              f"{s.duration_ms:9.2f} ms", flush=True)
 
     sink = OTLPSink(args.port, on_span=show)
     print(f"OTLP/HTTP sink on {sink.endpoint} (POST /v1/traces); Ctrl-C stops it", flush=True)

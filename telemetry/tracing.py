@@ -31,8 +31,8 @@ from telemetry.config import TelemetryConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Carrier", "Context", "NO_SPAN", "Span", "SpanKind", "carrier", "context_from_headers", "end_span", "enabled",
-           "flush", "record_span", "set_attributes", "setup_tracing", "shutdown", "start_span"]
+__all__ = ["Carrier", "Context", "NO_SPAN", "Span", "SpanKind", "carrier", "context_from_headers", "end_span",
+           "enabled", "flush", "record_span", "set_attributes", "setup_tracing", "shutdown", "start_span"]
 
 Carrier = dict[str, str]
 NO_SPAN: Span = trace.INVALID_SPAN
@@ -62,7 +62,8 @@ def setup_tracing(config: TelemetryConfig | Mapping | None, component: str) -> b
         resource = Resource.create({"service.name": cfg.service_name, "duet.component": component})
         provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))
         if cfg.otlp_endpoint is not None or not cfg.console:
-            provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(cfg), schedule_delay_millis=cfg.export_delay_ms))
+            provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(cfg),
+                                                           schedule_delay_millis=cfg.export_delay_ms))
         if cfg.console:
             provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
         _provider = provider

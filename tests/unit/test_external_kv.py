@@ -45,7 +45,8 @@ class FakeTier:
     def store(self, token_ids, block_ids, num_tokens) -> None:
         self.stores += 1
         for s in range(0, num_tokens - num_tokens % CHUNK, CHUNK):
-            self.chunks.setdefault(tuple(token_ids[: s + CHUNK]), self.kv[self._blocks(block_ids, s, s + CHUNK)].clone())
+            self.chunks.setdefault(tuple(token_ids[: s + CHUNK]),
+                                   self.kv[self._blocks(block_ids, s, s + CHUNK)].clone())
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

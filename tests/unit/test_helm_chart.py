@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("helm_python", reason="helm-python-sdk (the `test` extra) renders the chart without a helm binary")
-pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (the `test` extra) validates the rendered objects")
+pytest.importorskip("kubernetes_validate",
+                    reason="kubernetes-validate (the `test` extra) validates the rendered objects")
 
 import helm_python  # noqa: E402
 import jsonschema  # noqa: E402

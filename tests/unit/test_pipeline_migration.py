@@ -48,7 +48,8 @@ class FakePrefill:
         if self.die_times:
             self.die_times -= 1
             raise ActorDiedError()
-        self.engine.add_request(list(prompt_ids), SamplingParams(**{**vars(sp), "max_tokens": 1}), request_id=request_id)
+        self.engine.add_request(list(prompt_ids), SamplingParams(**{**vars(sp), "max_tokens": 1}),
+                                request_id=request_id)
         out = None
         while self.engine.has_unfinished():
             out = self.engine.step()[-1]

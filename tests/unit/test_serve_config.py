@@ -66,8 +66,8 @@ def _ctx(name: str, target: int, replicas: dict[str, dict[str, float]]):
 def test_the_serve_policy_reads_every_deployment_and_decides_the_goodput_pools():
     cfg = load_config(None, {
         "slo": {"ttft_ms": 1000, "tpot_ms": 100},
-        "prefill.autoscaling": {"policy": "goodput", "max_replicas": 4, "max_step": 4, "upscale_delay_s": 0, "warmup_s": 0,
-                                "profile": str(DEPLOY / "profiles" / "smollm2-135m-cpu.json")},
+        "prefill.autoscaling": {"policy": "goodput", "max_replicas": 4, "max_step": 4, "upscale_delay_s": 0,
+                                "warmup_s": 0, "profile": str(DEPLOY / "profiles" / "smollm2-135m-cpu.json")},
         "decode.autoscaling": {"policy": "goodput", "max_replicas": 2, "warmup_s": 0},
     })
     kwargs = serve_config(cfg)["applications"][0]["autoscaling_policy"]["policy_kwargs"]

@@ -58,6 +58,7 @@ def test_reporter_turns_cumulative_stats_into_increments():
     incs = [(n, v, lab) for n, op, v, lab in rec.seen if op == "inc"]
     assert ("duet_preemptions_total", 1, {}) in incs
     assert [v for n, v, _ in incs if n == "duet_prefix_cache_hit_tokens_total"] == [32, 16]
-    assert [(v, lab) for n, v, lab in incs if n == "duet_kv_tier_hit_tokens_total"] == [(256, {"tier": "cpu"})]  # no change: no increment
+    # no change: no increment
+    assert [(v, lab) for n, v, lab in incs if n == "duet_kv_tier_hit_tokens_total"] == [(256, {"tier": "cpu"})]
     sets = {n: v for n, op, v, _ in rec.seen if op == "set"}
     assert sets["duet_kv_blocks_used"] == 6 and sets["duet_running_requests"] == 2

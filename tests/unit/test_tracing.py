@@ -36,7 +36,8 @@ def test_off_by_default_creates_no_provider_and_no_exporter():
         "s = tracing.start_span('x')\n"
         "assert s is tracing.NO_SPAN and tracing.carrier(s) is None\n"
         "assert tracing.context_from_headers({'traceparent': '00-' + '1' * 32 + '-' + '2' * 16 + '-01'}) is None\n"
-        "assert not any(m.startswith('opentelemetry.exporter') or m.startswith('opentelemetry.sdk') for m in sys.modules)\n"
+        "assert not any(m.startswith('opentelemetry.exporter') or m.startswith('opentelemetry.sdk')"
+        " for m in sys.modules)\n"
     )
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OTEL_")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
