@@ -23,6 +23,7 @@ again elsewhere, within the same `gateway.prefill_retries`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -110,10 +111,13 @@ async def disaggregated(
         )
         one = _Pass(prefill_handle, decode_handle, sub, timing, resilience)
         base = len(generated)
-        async for outs in one.run():
-            outs = [view.adapt(o, base) for o in outs]
-            generated.extend(t for o in outs for t in o.new_token_ids)
-            yield outs
+        # Closed with us (aclosing), so a client that leaves cancels the decode call and
+        # rejects the lease now, not when the abandoned generator is collected.
+        async with contextlib.aclosing(one.run()) as batches:
+            async for outs in batches:
+                outs = [view.adapt(o, base) for o in outs]
+                generated.extend(t for o in outs for t in o.new_token_ids)
+                yield outs
         if one.outcome is Outcome.DONE:
             return
 
@@ -135,8 +139,9 @@ class _Pass:
             return
         async with LeaseGuard(result.kv_handle, _REJECT_TIMEOUT_S) as lease:
             yield [_first_output(result)]
-            async for outs in self._decode(result, result.kv_handle, lease):
-                yield outs
+            async with contextlib.aclosing(self._decode(result, result.kv_handle, lease)) as batches:
+                async for outs in batches:
+                    yield outs
 
     async def _decode(self, result: PrefillResult, handle: KVHandle, lease: LeaseGuard):
         req = self.req

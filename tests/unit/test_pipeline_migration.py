@@ -223,3 +223,35 @@ async def test_a_decode_call_no_replica_starts_fails_once_its_lease_is_over(make
         await collect(pipeline.disaggregated(prefill, decode, request(prompt), pipeline.Timing()))
     assert e.value.capacity  # a 503: retry later
     assert decode.cancelled  # the Serve call is withdrawn
+
+
+async def test_a_client_that_leaves_mid_decode_cancels_the_call_and_rejects_the_lease(make_engine, prompt,
+                                                                                         monkeypatch):
+    rejected = []
+    monkeypatch.setattr("kvtransfer.handoff.reject_lease",
+                        lambda handle, reason, timeout_s: rejected.append((handle.request_id, reason)))
+    streams = []
+
+    class Decode(FakeDecode):
+        def _generate(self, req):
+            stream = super()._generate(req)
+            stream.cancelled = False
+            stream.cancel = lambda: setattr(stream, "cancelled", True)
+            streams.append(stream)
+            return stream
+
+    gen = pipeline.disaggregated(FakePrefill(make_engine()), Decode(make_engine(), die_after=[]), request(prompt),
+                                 pipeline.Timing())
+    got = [await gen.__anext__() for _ in range(3)]  # the first token, then two from decode
+    assert len(got) == 3
+    await gen.aclose()  # the client went away
+    assert streams[0].cancelled
+    assert rejected == [("req", RejectReason.CLIENT_DISCONNECTED)]
+
+
+async def test_a_finished_request_leaves_its_lease_to_decode(make_engine, prompt, monkeypatch):
+    rejected = []
+    monkeypatch.setattr("kvtransfer.handoff.reject_lease", lambda *a, **k: rejected.append(a))
+    await collect(pipeline.disaggregated(FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[]),
+                                         request(prompt), pipeline.Timing()))
+    assert rejected == []  # decode released it
