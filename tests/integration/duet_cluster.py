@@ -1,17 +1,34 @@
-"""What the integration tests share about a deployed duet app: the configs they
-run against, a handle on the app, and polling helpers (no fixed sleeps)."""
+"""The integration tests' one harness: the session's Ray cluster, the duet app on it,
+the cluster configs tests run against, the private Redis servers some of them use,
+and polling helpers (no fixed sleeps).
+
+One Ray cluster serves the whole session (`start_ray`/`stop_ray`). One duet app runs
+on it at a time: `Deployer` deploys a named config (a key of ``CLUSTERS``, plus
+overrides) through its generated Serve config (cluster/serve_config.py), as `duet
+serve` does, and hands the same deployment to every test asking for the same config.
+conftest.py turns this into fixtures; test modules import the helpers.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
+import random
+import shutil
+import subprocess
 import tempfile
 import time
-from pathlib import Path
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
 
 from cluster.config import ClusterConfig, load_config
 
+REPO = Path(__file__).resolve().parents[2]
 APP_NAME = "duet"
 PORT = 8765
 BLOCK_SIZE = 16
@@ -31,7 +48,7 @@ BASE = {
 }
 
 # Where the "traced" cluster exports spans (the test's OTLP sink), and where this
-# session's Ray metrics agent serves Prometheus (conftest.py's ray.init).
+# session's Ray metrics agent serves Prometheus (`start_ray`).
 OTLP_PORT = 14318
 METRICS_PORT = 18765
 # The "traced" cluster's decode pool: 16 blocks (256 tokens), so a long prompt's
@@ -53,7 +70,17 @@ CHAOS_MAX_TOKENS = 24
 
 # The "autoscaling" cluster's TTFT SLO and capacity profile.
 AUTOSCALE_TTFT_SLO_MS = 1500
-PROFILE = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "smollm2-135m-cpu.json"
+PROFILE = REPO / "deploy" / "profiles" / "smollm2-135m-cpu.json"
+
+# The KV routing and tier configs: the torch transfer backend, 5 s leases, 16 sequences.
+KV_BASE = {"engine.max_num_seqs": 16, "transfer.backend": "torch", "transfer.lease_ttl_s": 5.0}
+KV_ROUTING_REDIS_PORT = 6392
+TIERS_REDIS_PORT = 6393
+TIERS_CHUNK = 128
+TIERS_BASE = {**KV_BASE, "engine.num_kv_blocks": 64, "cache.chunk_size": TIERS_CHUNK,
+              "cache.redis_retry_interval_s": 0.5}
+# The "tiers-disk" cluster's disk tier; emptied before each deploy of it.
+KV_DISK_DIR = Path(tempfile.gettempdir()) / "duet-test-kv-disk"
 
 # In deploy order; tests of one config run together.
 CLUSTERS: dict[str, dict] = {
@@ -91,6 +118,26 @@ CLUSTERS: dict[str, dict] = {
         "decode.autoscaling": {"policy": "goodput", "min_replicas": 1, "max_replicas": 1, "signal_interval_s": 1,
                                "profile": str(PROFILE)},
     },
+    # The KV-aware prefill router (test_kv_routing.py): two prefill replicas and the
+    # Redis prefix index, load reports every 0.2 s.
+    "kv-routing": {
+        **KV_BASE,
+        "prefill.replicas": 2,
+        "router.prefix_index": "redis",
+        "router.redis_url": f"redis://127.0.0.1:{KV_ROUTING_REDIS_PORT}/0",
+        "router.index_key_prefix": "duet:test-routing",
+        "router.imbalance_threshold": 48,
+        "router.stats_period_s": 0.2,
+    },
+    # LMCache tiers in the prefill pool (test_lmcache_tiers.py), 128-token chunks and 64
+    # blocks per pool (two 900-token prompts evict any earlier one): CPU and Redis ...
+    "tiers": {
+        **TIERS_BASE,
+        "cache.cpu_bytes": 256 << 20,
+        "cache.redis_url": f"redis://127.0.0.1:{TIERS_REDIS_PORT}/0",
+    },
+    # ... or disk alone (it outlives a replica).
+    "tiers-disk": {**TIERS_BASE, "cache.disk_path": str(KV_DISK_DIR), "cache.disk_bytes": 1 << 30},
     # Two replicas per pool, so a lost one can be survived (tests kill replicas: last).
     "resilient": {"prefill.replicas": 2, "decode.replicas": 2},
     # The soak's and the fuzzer's: two replicas per pool, the Redis prefix index, CPU and
@@ -111,10 +158,127 @@ CLUSTERS: dict[str, dict] = {
 }
 
 
-def cluster_config(name: str) -> ClusterConfig:
+def cluster_config(name: str, overrides: dict | None = None) -> ClusterConfig:
+    """The named config, with `overrides` (dotted keys) on top."""
     if name == "secure":
         KEYS_FILE.write_text("\n".join(API_KEYS) + "\n")
-    return load_config(None, {**BASE, **CLUSTERS[name]})
+    return load_config(None, {**BASE, **CLUSTERS[name], **(overrides or {})})
+
+
+def redis_ports(cfg: ClusterConfig) -> list[int]:
+    """Ports of the private Redis servers `cfg` uses (prefix index, KV tier)."""
+    urls = [cfg.cache.redis_url, cfg.router.redis_url if cfg.router.prefix_index == "redis" else None]
+    return sorted({urlparse(u).port for u in urls if u})
+
+
+class RedisServer:
+    """A private Redis (scripts/redis.sh) on its own port, so a test may stop and start
+    it without disturbing another config's."""
+
+    def __init__(self, port: int, directory: Path) -> None:
+        self.port = port
+        self.env = dict(os.environ, DUET_REDIS_PORT=str(port), DUET_REDIS_DIR=str(directory))
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def run(self, cmd: str) -> subprocess.CompletedProcess:
+        """`scripts/redis.sh cmd` (start and stop are idempotent)."""
+        return subprocess.run([str(REPO / "scripts" / "redis.sh"), cmd], env=self.env,
+                              capture_output=True, text=True, timeout=120)
+
+    def flush(self) -> None:
+        import redis
+
+        redis.Redis.from_url(self.url).flushall()
+
+
+def start_ray() -> None:
+    """The session's Ray cluster (a new one, never one a `ray start` left) and Serve's
+    proxy on `PORT`."""
+    import ray
+    from ray import serve
+
+    from cluster.app import REPLICA_ENV
+
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        runtime_env={"env_vars": REPLICA_ENV},
+        # Replicas' metrics reach this node's agent every second (default 10 s).
+        _metrics_export_port=METRICS_PORT,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+
+
+def stop_ray() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+class Deployer:
+    """Owns the session's duet app: deploys a config when the app runs another, and
+    hands the running one to every test of the same config. Redeploys cost model loads
+    (this machine has 2 cores), so conftest.py orders tests by config."""
+
+    def __init__(self) -> None:
+        self.current: Duet | None = None
+        self._deployed_at: float | None = None
+
+    def __call__(self, name: str, overrides: dict | None = None) -> Duet:
+        cfg = cluster_config(name, overrides)
+        if self.current is not None and self.current.cfg == cfg and self._untouched():
+            return self.current
+        from cluster.serve_cli import wait_ready
+        from cluster.serve_config import deploy
+
+        self.current = None
+        if cfg.cache.disk_path:  # a new deployment starts with an empty disk tier
+            shutil.rmtree(cfg.cache.disk_path, ignore_errors=True)
+        deploy(cfg, timeout_s=300)  # the generated Serve config, as `duet serve` deploys it
+        url = f"http://127.0.0.1:{PORT}"
+        wait_ready(url, timeout=240)
+        duet = Duet(name, cfg, url)
+        self.wait_settled(duet)
+        self._deployed_at = _app_details()["last_deployed_time_s"]
+        self.current = duet
+        return duet
+
+    def _untouched(self) -> bool:
+        """Whether the app is still the one this deployer deployed. A test that
+        redeploys it itself (test_replica_loss.py's scale-down, with `serve.run`) leaves
+        another, even when it restores the config, and more so when it fails first."""
+        app = _app_details()
+        return app is not None and app["source"] == "declarative" and app["last_deployed_time_s"] == self._deployed_at
+
+    @staticmethod
+    def wait_settled(d: Duet) -> None:
+        """After a redeploy the old replicas may still answer; wait until only the new
+        config's run: each fixed-size pool at its replica count, nothing stopping, and
+        stats from a replica with the new config's KV pool."""
+        for pool_name, pool in d.cfg.pools().items():
+            if pool.scaling == "fixed":
+                wait_replicas(pool_name, pool.replicas, exact=True)
+        expect = d.cfg.decode.num_kv_blocks if d.cfg.mode == "disaggregated" else None
+        pool = "decode" if d.cfg.mode == "disaggregated" else "aggregated"
+        total = expect or d.cfg.engine.num_kv_blocks
+        wait_for(lambda: d.stats(pool)["kv_blocks_total"] == total, 60, what=f"{pool} with {total} blocks")
+
+
+def _app_details() -> dict | None:
+    """Serve's details of the duet app (None if absent)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client().get_serve_details()["applications"].get(APP_NAME)
 
 
 @dataclass
@@ -203,15 +367,53 @@ def live_replicas(pool: str) -> set[str]:
             if a["name"].startswith(f"{prefix}{pool}#")}
 
 
-def wait_replicas(pool: str, n: int, timeout: float = 240) -> None:
-    """`pool` healthy with `n` running replicas."""
+def wait_replicas(pool: str, n: int, timeout: float = 240, exact: bool = False) -> None:
+    """`pool` healthy with `n` running replicas (`exact`: and no other, e.g. stopping)."""
     from ray import serve
 
     def healthy() -> bool:
         d = serve.status().applications[APP_NAME].deployments[pool]
-        return d.status == "HEALTHY" and d.replica_states.get("RUNNING", 0) == n
+        running = d.replica_states.get("RUNNING", 0)
+        return d.status == "HEALTHY" and running == n and (not exact or sum(d.replica_states.values()) == n)
 
-    wait_for(healthy, timeout, interval=1, what=f"{n} healthy {pool} replicas")
+    wait_for(healthy, timeout, interval=1, what=f"{n} healthy {pool} replicas{' and no other' if exact else ''}")
+
+
+def kill_replicas(pool: str) -> list[str]:
+    """Kill every live replica of `pool` (Serve starts new ones); returns their ids."""
+    victims = sorted(live_replicas(pool))
+    for replica_id in victims:
+        kill_replica(replica_id)
+    return victims
+
+
+def wait_new_replica(duet: Duet, pool: str, old: set[str], timeout: float = 180) -> str:
+    """The id of a replica of `pool` that is not one of `old`, once it answers stats."""
+    def new() -> str | None:
+        rid = duet.stats(pool)["replica_id"]
+        return rid if rid not in old else None
+
+    return wait_for(new, timeout, interval=0.5, what=f"a {pool} replica other than {sorted(old)}")
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    """`n` token ids drawn from `seed`: distinct seeds, distinct prefixes."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def complete(duet: Duet, ids: list[int], max_tokens: int = 8, timeout: float = 120) -> dict:
+    """One greedy completion of the token ids `ids` (the response body)."""
+    body = json.dumps({"model": "smollm2-135m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{duet.base_url}/completions", body, {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def cached_tokens(resp: dict) -> int:
+    """Prompt tokens a completion took from a cache (its usage's cached_tokens)."""
+    details = resp["usage"].get("prompt_tokens_details") or {}
+    return details.get("cached_tokens") or 0
 
 
 def gateway_counter(duet: Duet, name: str) -> float:

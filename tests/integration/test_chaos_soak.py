@@ -61,7 +61,7 @@ def _redis(redis, cmd: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_chaos_soak_loses_nothing(chaos_redis, duet):
+def test_chaos_soak_loses_nothing(cluster_redis, duet):
     wait_replicas("prefill", 2)
     wait_replicas("decode", 2)
     before = {name: gateway_counter(duet, name) for name in ("duet_migrations_total", "duet_prefill_retries_total")}
@@ -69,8 +69,8 @@ def test_chaos_soak_loses_nothing(chaos_redis, duet):
     faults = [
         Fault("kill a decode replica", n * 3 // 10, lambda: _kill_busy(duet, "decode")),
         Fault("kill a prefill replica", n * 5 // 10, lambda: _kill_busy(duet, "prefill")),
-        Fault("stop Redis", n * 7 // 10, lambda: _redis(chaos_redis, "stop")),
-        Fault("start Redis", n * 8 // 10, lambda: _redis(chaos_redis, "start")),
+        Fault("stop Redis", n * 7 // 10, lambda: _redis(cluster_redis, "stop")),
+        Fault("start Redis", n * 8 // 10, lambda: _redis(cluster_redis, "start")),
     ]
 
     async def soak():

@@ -9,83 +9,81 @@ replica that computed it. Leases are rejected at once so blocks stay evictable.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import Counter
 
 import pytest
+from duet_cluster import APP_NAME, Duet, prompt, wait_for
 
-from conftest_kv import (
-    APP,
-    router_settled,
-    RedisServer,
-    base_config,
-    deploy,
-    free_port,
-    prefill_direct,
-    prefill_handle,
-    prompt,
-    start_ray,
-    stop_ray,
-    wait_replicas,
-)
+pytestmark = [pytest.mark.integration, pytest.mark.cluster("kv-routing")]
 
-pytestmark = pytest.mark.integration
-
-REDIS_PORT = 6392
 SYSTEM = prompt(320, 7)  # a hot system prompt: 20 blocks
 
 
-def _config(port: int, redis_url: str, replicas: int = 2) -> dict:
-    return base_config(
-        port,
-        prefill={"replicas": replicas},
-        router={"prefix_index": "redis", "redis_url": redis_url, "index_key_prefix": "duet:test-routing",
-                "imbalance_threshold": 48, "stats_period_s": 0.2},
-    )
+def prefill_handle():
+    """A new handle, so a new KV-aware router in this process (its own view of load)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("prefill", APP_NAME)
 
 
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    redis = RedisServer(REDIS_PORT, tmp_path_factory.mktemp("redis"))
-    if redis.run("start").returncode != 0:
-        pytest.skip("Redis could not be started with scripts/redis.sh")
-    redis.flush()
-    owned, port = start_ray(free_port())
-    url = redis.url + "/0"
-    deploy(_config(port, url))
-    yield {"port": port, "redis_url": url}
-    stop_ray(owned)
-    redis.run("stop")
+async def prefill_direct(handle, ids: list[int]):
+    """One prefill through the pool's router; the lease is rejected at once."""
+    from engine.sampling_params import SamplingParams
+    from kvtransfer.messages import PrefillRequest
+
+    req = PrefillRequest(f"t-{random.getrandbits(48):x}", ids, SamplingParams(max_tokens=4, temperature=0))
+    result = await handle.prefill.remote(req)
+    reject_now(result)
+    return result
+
+
+def reject_now(result) -> None:
+    """Free a prefill result's lease at once (nobody will pull it)."""
+    from kvtransfer.handoff import reject_lease
+    from kvtransfer.messages import RejectReason
+
+    if result.kv_handle is not None:
+        reject_lease(result.kv_handle, RejectReason.CLIENT_DISCONNECTED, timeout_s=5.0)
+
+
+async def router_settled(handle, timeout: float = 30.0) -> None:
+    """Wait until the KV-aware router Serve built in this process for `handle` has seen
+    every request it sent complete (its completion callbacks run on Serve's router
+    thread, possibly after the caller already has the result)."""
+    router = handle._router._asyncio_router.request_router
+    deadline = time.monotonic() + timeout
+    while router.pending():
+        assert time.monotonic() < deadline, "the router never saw its requests complete"
+        await asyncio.sleep(0.02)
 
 
 def _replica(result) -> str:
     return result.kv_handle.prefill_replica_id
 
 
-def _index():
+def _index(duet: Duet):
+    """The app's Redis prefix index, read directly."""
     from kvtransfer.events.prefix_index import RedisPrefixIndex
 
-    return RedisPrefixIndex(f"redis://127.0.0.1:{REDIS_PORT}/0", key_prefix="duet:test-routing")
+    return RedisPrefixIndex(duet.cfg.router.redis_url, key_prefix=duet.cfg.router.index_key_prefix)
 
 
-def _hashes(ids):
-    from cluster.config import ClusterConfig
+def _hashes(duet: Duet, ids):
     from engine.engine import expected_model_fingerprint
     from engine.hashing import block_hashes
 
-    cfg = ClusterConfig.model_validate(base_config(1))
-    return block_hashes(ids, 16, expected_model_fingerprint(cfg.engine))
+    return block_hashes(ids, duet.cfg.engine.block_size, expected_model_fingerprint(duet.cfg.engine))
 
 
-def _wait_indexed(ids, replica: str, timeout: float = 10.0) -> None:
-    index, hashes = _index(), _hashes(ids)
-    deadline = time.monotonic() + timeout
-    while index.match(hashes).get(replica, 0) < len(hashes) - 1:
-        assert time.monotonic() < deadline, "KV events did not reach the index"
-        time.sleep(0.1)
+def _wait_indexed(duet: Duet, ids, replica: str, timeout: float = 10.0) -> None:
+    index, hashes = _index(duet), _hashes(duet, ids)
+    wait_for(lambda: index.match(hashes).get(replica, 0) >= len(hashes) - 1, timeout, interval=0.1,
+             what="the prefix's KV events in the index")
 
 
-def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(app):
+def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(duet):
     """Waits for the state each decision needs: the index holds the prefix, and the
     router has seen the previous request complete (Serve tells it on its own thread,
     possibly after the caller got the result). Given that, the load it sees is exact
@@ -98,7 +96,7 @@ def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(app):
             base = prompt(256, 100 + k)
             first = await prefill_direct(h, base + prompt(20, 200 + k))
             holder = _replica(first)
-            _wait_indexed(base, holder)
+            _wait_indexed(duet, base, holder)
             followers = []
             for i in range(5):
                 await router_settled(h)
@@ -111,7 +109,7 @@ def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(app):
         assert all(c >= 256 for c in cached)
 
 
-def test_hot_system_prompt_under_load_is_spread(app):
+def test_hot_system_prompt_under_load_is_spread(duet):
     """A burst on one hot prefix reaches both replicas. How far it spreads is the
     policy's, given the load it sees (tests/unit/test_router_decisions.py and
     test_router_cost.py check the shares exactly); here the state is real and only
@@ -120,7 +118,7 @@ def test_hot_system_prompt_under_load_is_spread(app):
     async def run():
         h = prefill_handle()
         first = await prefill_direct(h, SYSTEM + prompt(40, 1))
-        _wait_indexed(SYSTEM, _replica(first))
+        _wait_indexed(duet, SYSTEM, _replica(first))
         results = await asyncio.gather(*(prefill_direct(h, SYSTEM + prompt(60, 1000 + i)) for i in range(40)))
         return Counter(_replica(r) for r in results)
 
@@ -129,14 +127,14 @@ def test_hot_system_prompt_under_load_is_spread(app):
     assert len(counts) == 2, counts
 
 
-def test_a_restarted_router_keeps_routing_by_prefix(app):
+def test_a_restarted_router_keeps_routing_by_prefix(duet):
     """A new process (a Ray task) has a brand-new router: the Redis index is all it knows."""
     import ray
 
     async def seed():
         base = prompt(256, 555)
         r = await prefill_direct(prefill_handle(), base + prompt(20, 556))
-        _wait_indexed(base, _replica(r))
+        _wait_indexed(duet, base, _replica(r))
         return base, _replica(r)
 
     base, holder = asyncio.run(seed())
@@ -149,7 +147,7 @@ def test_a_restarted_router_keeps_routing_by_prefix(app):
 
         from engine.sampling_params import SamplingParams
         from kvtransfer.handoff import reject_lease
-        from kvtransfer.messages import RejectReason
+        from kvtransfer.messages import PrefillRequest, RejectReason
 
         async def go():
             h = srv.get_deployment_handle("prefill", app_name)
@@ -161,32 +159,29 @@ def test_a_restarted_router_keeps_routing_by_prefix(app):
                         if router.pending() == 0:
                             break
                         await aio.sleep(0.05)
-                r = await h.prefill.remote(f"fresh-{i}", ids + [100 + i] * 17, SamplingParams(max_tokens=2))
+                r = await h.prefill.remote(PrefillRequest(f"fresh-{i}", ids + [100 + i] * 17,
+                                                          SamplingParams(max_tokens=2)))
                 reject_lease(r.kv_handle, RejectReason.CLIENT_DISCONNECTED, timeout_s=5.0)
                 out.append(r.kv_handle.prefill_replica_id)
             return out
 
         return aio.run(go())
 
-    chosen = ray.get(fresh_router.remote(base, APP), timeout=120)
+    chosen = ray.get(fresh_router.remote(base, APP_NAME), timeout=120)
     assert chosen == [holder] * 3
 
 
-def test_removing_a_replica_clears_its_entries(app):
-    index = _index()
+def test_removing_a_replica_clears_its_entries(deployer, duet):
+    index = _index(duet)
 
     async def seed():
         h = prefill_handle()
         return [_replica(await prefill_direct(h, prompt(200, 900 + i))) for i in range(6)]
 
     holders = set(asyncio.run(seed()))
-    deadline = time.monotonic() + 10
-    while not holders <= index.replicas():
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_for(lambda: holders <= index.replicas(), 10, interval=0.1, what=f"{sorted(holders)} in the index")
     before = index.replicas()
-    deploy(_config(app["port"], app["redis_url"], replicas=1))
-    wait_replicas("prefill", 1)
+    deployer("kv-routing", {"prefill.replicas": 1})  # returns once only the one replica runs
 
     async def touch():  # the driver's router sees the new replica set
         await prefill_direct(prefill_handle(), prompt(40, 4242))
@@ -197,10 +192,13 @@ def test_removing_a_replica_clears_its_entries(app):
     # A redeploy with other init args replaces every replica: whichever replica runs
     # now may be new; every one that left must be gone from the index.
     running = asyncio.run(current())
-    deadline = time.monotonic() + 30
-    while index.replicas() - {running}:
+
+    def cleared() -> bool:
+        if not index.replicas() - {running}:
+            return True
         asyncio.run(touch())
-        assert time.monotonic() < deadline, index.replicas()
-        time.sleep(0.5)
+        return False
+
+    wait_for(cleared, 30, interval=0.5, what=f"only {running} in the index")
     for rid in before - {running}:
-        assert not index._client.exists(f"duet:test-routing:r:{rid}")
+        assert not index._client.exists(f"{duet.cfg.router.index_key_prefix}:r:{rid}")
