@@ -6,22 +6,21 @@ server from scripts/redis.sh on its own port, stopped and restarted by the test)
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("lmcache", reason="LMCache not installed (see scripts/setup.sh)")
 
-from prefill.kv_tier.config import KVTierConfig  # noqa
+from duet_cluster import RedisServer, wait_for  # noqa: E402
+
+from prefill.kv_tier.config import KVTierConfig  # noqa: E402
+from prefill.kv_tier.stats import REDIS_BACKEND  # noqa: E402
 from prefill.kv_tier.tier import KVTier  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 L, H, D, BS, NB = 2, 3, 8, 16, 32
 CHUNK = 32  # two blocks
 FP = "test-model|float32|bs16"
@@ -105,7 +104,7 @@ def test_tiers_keyed_by_model_fingerprint(tmp_path):
 
 def test_tiers_of_other_namespaces_are_invisible(redis_server):
     """Two clusters sharing one Redis (and one model) keep their KV apart."""
-    url = f"redis://127.0.0.1:{REDIS_PORT}/0"
+    url = redis_server.url + "/0"
     ours, theirs = (KVTierConfig(redis_url=url, chunk_size=CHUNK, namespace=ns) for ns in ("team-a", "team-b"))
     with KVTier(ours, make_kv(), FP) as a:
         a.store(TOKENS, SRC_BLOCKS, len(TOKENS))
@@ -132,25 +131,18 @@ def test_config_validation():
 REDIS_PORT = 6391
 
 
-def _redis_sh(cmd: str, tmp_dir: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DUET_REDIS_PORT=str(REDIS_PORT), DUET_REDIS_DIR=str(tmp_dir))
-    return subprocess.run(
-        [str(REPO / "scripts" / "redis.sh"), cmd], env=env, capture_output=True, text=True, timeout=120
-    )
-
-
 @pytest.fixture
-def redis_server(tmp_path):
-    r = _redis_sh("start", tmp_path)
+def redis_server(tmp_path) -> RedisServer:
+    redis = RedisServer(REDIS_PORT, tmp_path)
+    r = redis.run("start")
     if r.returncode != 0:
         pytest.skip(f"Redis could not be started with scripts/redis.sh: {r.stderr.strip()}")
-    yield lambda cmd: _redis_sh(cmd, tmp_path)
-    _redis_sh("stop", tmp_path)
+    yield redis
+    redis.run("stop")
 
 
 def test_redis_tier_roundtrip_shared_between_replicas(redis_server):
-    url = f"redis://127.0.0.1:{REDIS_PORT}/0"
-    cfg = KVTierConfig(redis_url=url, chunk_size=CHUNK)
+    cfg = KVTierConfig(redis_url=redis_server.url + "/0", chunk_size=CHUNK)
     kv1, kv2 = make_kv(), torch.zeros(NB, L, 2, BS, H, D)
     with KVTier(cfg, kv1, FP) as replica1, KVTier(cfg, kv2, FP) as replica2:
         replica1.store(TOKENS, SRC_BLOCKS, len(TOKENS))
@@ -160,28 +152,53 @@ def test_redis_tier_roundtrip_shared_between_replicas(redis_server):
         assert replica2.stats.redis.hit_tokens == STORED
 
 
+def _ops(tier: KVTier) -> int:
+    """Tier operations so far (each one checks Redis first)."""
+    return tier.stats.lookups + tier.stats.retrieves + tier.stats.stores
+
+
 def test_redis_down_is_skipped_and_counted_then_recovers(redis_server):
-    url = f"redis://127.0.0.1:{REDIS_PORT}/0"
     cfg = KVTierConfig(
-        cpu_bytes=64 << 20, redis_url=url, chunk_size=CHUNK, redis_retry_interval_s=0.2, close_timeout_s=3
+        cpu_bytes=64 << 20, redis_url=redis_server.url + "/0", chunk_size=CHUNK, redis_retry_interval_s=0.2,
+        close_timeout_s=3,
     )
     kv = make_kv()
     with KVTier(cfg, kv, FP) as tier:
-        assert redis_server("stop").returncode == 0
-        time.sleep(cfg.redis_check_interval_s)  # let the cached "up" expire
+
+        def bypassed() -> bool:  # LMCache itself leaves its Redis backend out
+            return tier._engine.storage_manager.is_backend_bypassed(REDIS_BACKEND)
+
+        assert not bypassed()
+        assert redis_server.run("stop").returncode == 0
+        # The tier trusts a Redis that answered for up to the check interval; past it,
+        # every operation probes or skips Redis (one monotonic clock: no race).
+        time.sleep(cfg.redis_check_interval_s)
+        ops0, skipped0, probes0 = _ops(tier), tier.stats.redis.skipped, tier.stats.redis.errors
         t0 = time.monotonic()
         store_wipe_retrieve(tier, kv)  # CPU tier keeps serving
-        assert time.monotonic() - t0 < 5
-        assert tier.stats.redis.skipped > 0 and tier.stats.redis.errors > 0
+        window = time.monotonic() - t0
+        # Skipped, not waited on: every operation left Redis out, and LMCache did not
+        # try it either ...
+        ops = _ops(tier) - ops0
+        assert ops > 0 and tier.stats.redis.skipped - skipped0 == ops
+        assert bypassed()
+        # ... and the outage cost one fail-fast probe per retry interval, not one per
+        # operation (a slower run only widens the allowance).
+        probes = tier.stats.redis.errors - probes0
+        assert 1 <= probes <= 1 + window / cfg.redis_retry_interval_s, (probes, window)
         assert tier.stats.cpu.hit_tokens == STORED
 
-        assert redis_server("start").returncode == 0
-        time.sleep(cfg.redis_retry_interval_s)
+        assert redis_server.run("start").returncode == 0
         other = list(range(5000, 5000 + 2 * CHUNK))
+
+        def back() -> bool:
+            tier.lookup(other)  # an operation: past the retry interval it probes Redis again
+            return not bypassed()
+
+        wait_for(back, 10, interval=0.05, what="Redis used again")
         assert tier.store(other, SRC_BLOCKS, len(other)) == 2 * CHUNK
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and tier._engine.lookup(  # Redis itself holds it
-            torch.tensor(other), search_range=["RemoteBackend"]
-        ) < 2 * CHUNK:
-            time.sleep(0.05)
-        assert tier._engine.lookup(torch.tensor(other), search_range=["RemoteBackend"]) == 2 * CHUNK
+
+        def in_redis() -> bool:  # Redis itself holds it (LMCache writes asynchronously)
+            return tier._engine.lookup(torch.tensor(other), search_range=["RemoteBackend"]) == 2 * CHUNK
+
+        wait_for(in_redis, 10, interval=0.05, what="the chunks in Redis")
