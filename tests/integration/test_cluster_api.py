@@ -150,7 +150,8 @@ BAD_REQUESTS = [
 @pytest.mark.cluster("nixl")
 def test_bad_input_gets_openai_errors_and_server_keeps_serving(duet):
     with httpx.Client(base_url=duet.url, timeout=30) as h:
-        r = h.post("/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"})
+        r = h.post("/v1/chat/completions", content=b'{"model": "x", "messages": [',
+                   headers={"content-type": "application/json"})
         assert_openai_error(r, 400)
         r = h.post("/v1/completions", content=b"not json at all")
         assert_openai_error(r, 400)
@@ -159,7 +160,8 @@ def test_bad_input_gets_openai_errors_and_server_keeps_serving(duet):
         long_prompt = "hello " * 1100
         r = h.post("/v1/completions", json={"model": SMOLLM2_ID, "prompt": long_prompt, "max_tokens": 4})
         assert_openai_error(r, 400, "context_length_exceeded")
-        r = h.post("/v1/chat/completions", json={"model": SMOLLM2_ID, "messages": [{"role": "user", "content": long_prompt}]})
+        r = h.post("/v1/chat/completions",
+                   json={"model": SMOLLM2_ID, "messages": [{"role": "user", "content": long_prompt}]})
         assert_openai_error(r, 400, "context_length_exceeded")
         r = h.post("/v1/completions", json={"model": SMOLLM2_ID, "prompt": [1, 2, 10**9]})
         assert_openai_error(r, 400)

@@ -7,12 +7,12 @@ import uuid
 
 import openai
 import pytest
+from duet_cluster import BYTES_PER_BLOCK, blocks_for, wait_for, wait_idle
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from engine.weights import SMOLLM2_ID
-from kvtransfer.messages import DecodeRequest
-from duet_cluster import BYTES_PER_BLOCK, blocks_for, wait_for, wait_idle
+from kvtransfer.messages import DecodeRequest, PrefillRequest
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +74,7 @@ def test_lease_expires_when_decode_never_pulls(duet):
     before = duet.stats("prefill")
     rid = f"ttl-{uuid.uuid4().hex[:8]}"
     sp = SamplingParams(max_tokens=8, temperature=0)
-    result = duet.handle("prefill").prefill.remote(rid, ids, sp).result(timeout_s=60)
+    result = duet.handle("prefill").prefill.remote(PrefillRequest(rid, tuple(ids), sp)).result(timeout_s=60)
     handle = result.kv_handle
     assert handle is not None and handle.num_blocks == blocks_for(len(ids))
 

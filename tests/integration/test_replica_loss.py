@@ -116,11 +116,11 @@ def test_requests_right_after_a_prefill_replica_dies_are_served(duet):
 
 
 def test_scaling_down_drains_the_replica_it_stops(duet):
+    from duet_cluster import BASE, CLUSTERS
     from ray import serve
 
     from cluster.app import build_app
     from cluster.config import load_config
-    from duet_cluster import BASE, CLUSTERS
 
     wait_replicas("decode", 2)
     reference, _ = _stream(duet)

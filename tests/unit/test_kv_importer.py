@@ -44,7 +44,7 @@ def test_the_wait_ends_with_the_time_the_lease_leaves():
     pool = Pool(full_for=10**6)
     assert asyncio.run(reserve_when_free(pool.reserve, could_fit=True, wait_s=0.05, first_delay_s=0.001,
                                          max_delay_s=0.01)) is None
-    assert 2 <= pool.calls < 100
+    assert 1 <= pool.calls < 100  # backs off: a few calls, never a spin (a slow machine makes fewer)
     assert asyncio.run(reserve_when_free(Pool(10**6).reserve, could_fit=True, wait_s=-1.0)) is None  # no time left
 
 
