@@ -17,7 +17,7 @@ if [ -x scripts/redis.sh ]; then bash scripts/redis.sh start || echo "redis unav
 stage unit "$VENV/bin/python" -m pytest -m unit -q -p no:cacheprovider
 # Separate invocations: the integration session owns one Ray cluster until it ends,
 # and e2e starts `duet serve`, which brings up (and tears down) a Ray of its own.
-stage integration "$VENV/bin/python" -m pytest -m integration -q -p no:cacheprovider tests/integration
-stage e2e "$VENV/bin/python" -m pytest -m e2e -q -p no:cacheprovider tests/e2e
+stage integration "$VENV/bin/python" -m pytest -m integration -q -p no:cacheprovider --durations=12 tests/integration
+stage e2e "$VENV/bin/python" -m pytest -m e2e -q -p no:cacheprovider --durations=5 tests/e2e
 # Three Ray nodes in network namespaces (root; skipped without): a cluster of its own.
 stage multinode "$VENV/bin/python" -m pytest -m multinode -q -p no:cacheprovider tests/multinode
