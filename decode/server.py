@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from autoscaling.signals import DecodeSignals
@@ -64,7 +64,7 @@ class DecodeServer:
             async for outs in batches:
                 yield outs
 
-    async def _generate(self, req: DecodeRequest, span: tracing.Span) -> AsyncIterator[list[RequestOutput]]:
+    async def _generate(self, req: DecodeRequest, span: tracing.Span) -> AsyncGenerator[list[RequestOutput], None]:
         started = time.monotonic()
         imported = await self.importer.import_kv(req.kv_handle, span)
         tracing.set_attributes(span, {"duet.import_wait_ms": round((time.monotonic() - started) * 1e3, 3)})

@@ -20,7 +20,9 @@ from typing import Protocol, runtime_checkable
 
 @runtime_checkable
 class ExternalKVCache(Protocol):
-    chunk_size: int
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk: the unit it stores and loads (a multiple of the block size)."""
 
     def lookup(self, token_ids: Sequence[int]) -> int:
         """Leading tokens of `token_ids` whose KV it holds (a multiple of chunk_size)."""
@@ -34,8 +36,9 @@ class ExternalKVCache(Protocol):
     # last `load` by where they came from (e.g. {"cpu": 256, "redis": 128}); the engine
     # reads it right after `load`, on the same thread, for each request's metrics.
 
-    def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> None:
-        """Keep the KV of the leading full chunks of `num_tokens` computed tokens."""
+    def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> object:
+        """Keep the KV of the leading full chunks of `num_tokens` computed tokens (what
+        it returns is its own: the engine ignores it)."""
 
 
 def check_chunk_size(chunk_size: int, block_size: int) -> None:

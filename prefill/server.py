@@ -19,6 +19,7 @@ from typing import Any
 from autoscaling.signals import PrefillSignals
 from engine.async_engine import start_engine
 from engine.config import EngineConfig
+from engine.engine import ExportedKV
 from engine.request import FinishReason
 from kvtransfer.backends import backend_for
 from kvtransfer.config import TransferConfig
@@ -56,8 +57,8 @@ class PrefillServer:
         if tier_cfg.enabled:
             from prefill.kv_tier.tier import KVTier  # imports LMCache: only when a tier is on
 
-            self.tier = KVTier(tier_cfg, eng.kv_cache.data, eng.model_fingerprint)
-            self.aengine.submit(lambda: eng.attach_external_kv(self.tier)).result()
+            tier = self.tier = KVTier(tier_cfg, eng.kv_cache.data, eng.model_fingerprint)
+            self.aengine.submit(lambda: eng.attach_external_kv(tier)).result()
         self.events = KVEventPublisher(
             PrefixIndexConfig.model_validate(prefix_index), engine_cfg.block_size, self.replica_id,
             self.aengine.take_kv_events,
@@ -67,11 +68,15 @@ class PrefillServer:
         self.exporter = KVExporter(
             backend, self.replica_id, self._free_blocks, lease_ttl_s=transfer_cfg.lease_ttl_s, host=node_ip()
         )
-        eng.on_export = lambda export: self.exporter.grant(export.request_id, export.block_ids)
+        eng.on_export = self._lease
         self.telemetry = ReplicaTelemetry(telemetry, "prefill", self.replica_id, self._engine_stats)
         self.signals = PrefillSignals()
         self._closed = False
         log.info("prefill replica %s ready (backend %s)", self.replica_id, backend.name)
+
+    def _lease(self, export: ExportedKV) -> None:
+        """On the engine thread, as a request finishes: pin its blocks under a lease."""
+        self.exporter.grant(export.request_id, export.block_ids)
 
     def _free_blocks(self, block_ids) -> None:
         self.aengine.release_blocks(list(block_ids))

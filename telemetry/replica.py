@@ -18,12 +18,23 @@ from telemetry.config import TelemetryConfig
 class EngineRequestMetrics(Protocol):
     """The engine's per-request record (engine/request.py `RequestMetrics`)."""
 
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finished_time: float
-    num_preemptions: int
-    cached_tokens_by_source: dict[str, int]
+    @property
+    def arrival_time(self) -> float: ...
+
+    @property
+    def first_scheduled_time(self) -> float | None: ...
+
+    @property
+    def first_token_time(self) -> float | None: ...
+
+    @property
+    def finished_time(self) -> float: ...
+
+    @property
+    def num_preemptions(self) -> int: ...
+
+    @property
+    def cached_tokens_by_source(self) -> dict[str, int]: ...
 
     @property
     def queue_s(self) -> float: ...

@@ -190,7 +190,7 @@ class KVTier:
 
     def as_dict(self) -> dict:
         """Flat counters for `stats()` and Prometheus (see `KVTierStats.as_dict`)."""
-        out = self.stats.as_dict()
+        out: dict[str, float | None] = {**self.stats.as_dict()}
         out["kv_tier_redis_up"] = int(self._redis.up) if self._redis is not None else None
         return out
 

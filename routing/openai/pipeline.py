@@ -28,7 +28,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -38,7 +38,7 @@ from engine.async_engine import EngineDead
 from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.handoff import LeaseGuard
-from kvtransfer.messages import DecodeRequest, ImportFailed, KVHandle, PrefillRequest, PrefillResult, RejectReason
+from kvtransfer.messages import DecodeRequest, ImportFailed, PrefillRequest, PrefillResult, RejectReason
 from routing.openai.errors import deadline_exceeded
 
 log = logging.getLogger(__name__)
@@ -132,66 +132,65 @@ class _Pass:
         self.req, self.timing, self.resilience = req, timing, resilience
         self.outcome = Outcome.DONE
 
-    async def run(self) -> AsyncIterator[list[RequestOutput]]:
+    async def run(self) -> AsyncGenerator[list[RequestOutput], None]:
         result = await _prefill(self.prefill, self.req, self.timing, self.resilience)
-        if result.kv_handle is None:  # finished at prefill: no lease was granted
+        handle = result.kv_handle
+        if handle is None:  # finished at prefill: no lease was granted
             yield [_first_output(result)]
             return
-        async with LeaseGuard(result.kv_handle, _REJECT_TIMEOUT_S) as lease:
+        async with LeaseGuard(handle, _REJECT_TIMEOUT_S) as lease:
             yield [_first_output(result)]
-            async with contextlib.aclosing(self._decode(result, result.kv_handle, lease)) as batches:
-                async for outs in batches:
+            req = self.req
+            call = DecodeRequest(req.request_id, req.prompt_token_ids, result.first_token, req.sampling, handle,
+                                 req.trace)
+            stream = self.decode.options(stream=True).generate.remote(call)
+            try:
+                batches = stream.__aiter__()
+                outs = await _first_batch(batches, max(0.0, handle.lease_expiry - time.time()) + _DECODE_START_GRACE_S)
+                while True:
                     yield outs
+                    outs = await batches.__anext__()
+            except StopAsyncIteration:
+                lease.settled()  # decode streamed the request to its end and released the lease
+            except (asyncio.CancelledError, GeneratorExit, UpstreamError):
+                stream.cancel()
+                raise
+            except Exception as e:
+                self._decode_failed(e, lease)
 
-    async def _decode(self, result: PrefillResult, handle: KVHandle, lease: LeaseGuard):
-        req = self.req
-        call = DecodeRequest(req.request_id, req.prompt_token_ids, result.first_token, req.sampling, handle, req.trace)
-        stream = self.decode.options(stream=True).generate.remote(call)
-        try:
-            start_within = max(0.0, handle.lease_expiry - time.time()) + _DECODE_START_GRACE_S
-            async for outs in _started_within(stream, start_within):
-                yield outs
-            lease.settled()  # decode released it
-        except (asyncio.CancelledError, GeneratorExit):
-            stream.cancel()
-            raise
-        except _REPLICA_GONE as e:
+    def _decode_failed(self, e: Exception, lease: LeaseGuard) -> None:
+        """Decide what a failed decode call means: migrate (its replica was lost), prefill
+        again (the KV's source is gone), or fail the request (raise `UpstreamError`)."""
+        req, timing, resilience = self.req, self.timing, self.resilience
+        if isinstance(e, _REPLICA_GONE):
             lease.reject_as(RejectReason.DECODE_LOST)
-            if self.timing.migrations >= self.resilience.max_migrations:
-                n = self.resilience.max_migrations
+            if timing.migrations >= resilience.max_migrations:
+                n = resilience.max_migrations
                 limit = f" (migration limit {n} reached)" if n else ""
                 raise UpstreamError(f"decode failed{limit}: {_short(e)}") from e
-            self.timing.migrations += 1
+            timing.migrations += 1
             self.outcome = Outcome.MIGRATE
             log.warning("request %s: decode replica lost (%s); migrating (%d of %d)",
-                        req.request_id, _short(e), self.timing.migrations, self.resilience.max_migrations)
-        except UpstreamError:
-            raise
-        except ImportFailed as e:
+                        req.request_id, _short(e), timing.migrations, resilience.max_migrations)
+            return
+        if isinstance(e, ImportFailed):
             lease.settled()  # decode rejected it (and its replica may be gone)
-            if e.reason not in _SOURCE_LOST or self.timing.prefill_retries >= self.resilience.prefill_retries:
-                raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
-            self.timing.prefill_retries += 1
-            self.outcome = Outcome.REPREFILL
-            log.warning("request %s: KV import failed (%s); prefilling again", req.request_id, _short(e))
-        except Exception as e:
-            raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
+            if e.reason in _SOURCE_LOST and timing.prefill_retries < resilience.prefill_retries:
+                timing.prefill_retries += 1
+                self.outcome = Outcome.REPREFILL
+                log.warning("request %s: KV import failed (%s); prefilling again", req.request_id, _short(e))
+                return
+        raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
 
 
-async def _started_within(stream, timeout_s: float) -> AsyncIterator:
-    """`stream`, failing (503) if its first batch takes longer than `timeout_s`."""
-    it = stream.__aiter__()
+async def _first_batch(batches: AsyncIterator, timeout_s: float):
+    """The decode stream's first batch, or a 503 if no replica started the call within
+    `timeout_s` (Serve queues a call while the pool has no live replica)."""
     try:
-        first = await asyncio.wait_for(it.__anext__(), timeout_s)
-    except StopAsyncIteration:
-        return
+        return await asyncio.wait_for(batches.__anext__(), timeout_s)
     except TimeoutError:
-        stream.cancel()
         raise UpstreamError(f"no decode replica started the request within {timeout_s:.0f} s "
                             "(its KV lease has ended; is the decode pool down?)", capacity=True) from None
-    yield first
-    async for outs in it:
-        yield outs
 
 
 async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resilience) -> PrefillResult:
