@@ -1,9 +1,10 @@
 """OpenAI API request and response models (pydantic v2), and the mapping of a request
 onto the engine's SamplingParams.
 
-Requests ignore fields they do not know (clients send many). What duet cannot honour
-(`n` > 1, `best_of` > 1, batched prompts, `echo`, `suffix`, `logit_bias`) is a 400
-naming the field, never silently dropped.
+Requests ignore fields they do not know (clients send many, e.g. `user`, `metadata`).
+What duet cannot honour (`n` > 1, `best_of` > 1, batched prompts, `echo`, `suffix`,
+`logit_bias`, structured outputs, tool calls: `UNHONOURED`) is a 400 naming the field,
+never silently dropped.
 """
 
 from __future__ import annotations
@@ -13,12 +14,40 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 from engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, InvalidRequest, SamplingParams
 from routing.openai.errors import context_length_exceeded, from_validation_error, invalid_request
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# Fields that change what a client gets back and that duet cannot honour yet, with the
+# values that ask for nothing (accepted, since clients send them by default).
+UNHONOURED_SAMPLING = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                       "structured_outputs", "logits_processors")
+UNHONOURED_CHAT = ("tools", "tool_choice", "functions", "function_call")
+UNHONOURED = UNHONOURED_SAMPLING + UNHONOURED_CHAT
+
+
+def _harmless(field: str, value: Any) -> bool:
+    """Whether `value` of an unhonoured field asks for nothing duet would skip."""
+    if value is None:
+        return True
+    if field == "response_format":
+        return value == {"type": "text"}
+    if field in ("tool_choice", "function_call"):
+        return value == "none"
+    if field in ("tools", "functions", "logits_processors"):
+        return value == []
+    return False
 
 
 class _Request(BaseModel):
@@ -89,6 +118,14 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False  # (ext)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Not honoured yet: a value that asks for anything is refused (`_not_honoured`).
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None  # (ext)
+    guided_regex: Any = None  # (ext)
+    guided_choice: Any = None  # (ext)
+    guided_grammar: Any = None  # (ext)
+    structured_outputs: Any = None  # (ext)
+    logits_processors: Any = None  # (ext)
 
     @field_validator("n")
     @classmethod
@@ -102,6 +139,13 @@ class _SamplingRequest(_Request):
     def _no_logit_bias(cls, v: dict | None) -> dict | None:
         if v:
             raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator(*UNHONOURED_SAMPLING)
+    @classmethod
+    def _not_honoured(cls, v: Any, info: ValidationInfo) -> Any:
+        if not _harmless(info.field_name, v):
+            raise ValueError(f"{info.field_name} is not supported yet (refused rather than ignored)")
         return v
 
     @property
@@ -161,6 +205,18 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True  # (ext)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None  # means nothing without tools
+
+    @field_validator(*UNHONOURED_CHAT)
+    @classmethod
+    def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        if not _harmless(info.field_name, v):
+            raise ValueError(f"{info.field_name} is not supported yet (refused rather than ignored)")
+        return v
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template wants them: role and plain-text content."""

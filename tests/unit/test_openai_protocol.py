@@ -505,3 +505,34 @@ def test_absurd_nesting_is_a_400():
     body = '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
     err = api_error(lambda: parse_request(CompletionRequest, body))
     assert err.status == 400
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("tools", [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]),
+    ("tool_choice", "required"),
+    ("tool_choice", {"type": "function", "function": {"name": "get_weather"}}),
+    ("functions", [{"name": "f"}]),
+    ("guided_json", {"type": "object"}),
+    ("guided_regex", "[a-z]+"),
+    ("guided_choice", ["yes", "no"]),
+    ("structured_outputs", {"json": {}}),
+])
+def test_structured_outputs_and_tools_are_refused_not_ignored(field, value):
+    err = chat_error({"messages": MSGS, field: value})
+    assert err.status == 400 and err.param == field and "not supported" in err.message
+
+
+def test_values_that_ask_for_nothing_are_accepted():
+    req = parse_request(ChatCompletionRequest, json.dumps({
+        "messages": MSGS, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+        "parallel_tool_calls": True, "user": "u", "metadata": {"k": "v"},
+    }))
+    assert req.messages[0].text == "hi"
+
+
+def test_completions_refuse_guided_decoding():
+    with pytest.raises(APIError) as e:
+        parse_request(CompletionRequest, json.dumps({"prompt": "x", "guided_regex": "a+"}))
+    assert e.value.status == 400 and e.value.param == "guided_regex"
