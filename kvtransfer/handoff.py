@@ -405,21 +405,21 @@ class KVImporter:
             started = time.monotonic()
             await asyncio.to_thread(pull_kv, self.backend, handle, blocks, timeout_s=self.timeout_s)
             pulled = time.monotonic() - started
+            self._count("imports")
+            if self._recorder is not None:
+                self._recorder.inc(metrics.TRANSFER_BYTES, handle.num_bytes, backend=handle.backend)
+                self._recorder.observe(metrics.TRANSFER_SECONDS, pulled, backend=handle.backend)
+            tracing.set_attributes(span, {"duet.transfer.pull_ms": round(pulled * 1e3, 3)})
+            await asyncio.to_thread(release_lease, handle, self.timeout_s)
+            return imported
         except (TransferError, LayoutMismatch) as e:
             if imported is not None:
                 imported.discard()
             return await self._failed(handle, span, _reject_reason(e), str(e))
-        except BaseException:
+        except BaseException:  # whatever else ends it, the blocks it reserved are freed now
             if imported is not None:
                 imported.discard()
             raise
-        self._count("imports")
-        if self._recorder is not None:
-            self._recorder.inc(metrics.TRANSFER_BYTES, handle.num_bytes, backend=handle.backend)
-            self._recorder.observe(metrics.TRANSFER_SECONDS, pulled, backend=handle.backend)
-        tracing.set_attributes(span, {"duet.transfer.pull_ms": round(pulled * 1e3, 3)})
-        await asyncio.to_thread(release_lease, handle, self.timeout_s)
-        return imported
 
     async def _failed(self, handle: KVHandle, span: Span, reason: RejectReason, detail: str) -> ImportedKV:
         """Reject the lease (prefill frees at once), count, and recompute or raise."""
@@ -541,8 +541,10 @@ def _reject_reason(exc: Exception) -> RejectReason:
 class LeaseGuard:
     """`async with LeaseGuard(handle)`: on leaving the block, rejects the lease (so
     prefill frees its blocks now rather than at expiry) unless `settled` says decode
-    ended it. The rejection is awaited, bounded by `timeout_s`; a caller cancelled
-    while waiting leaves it to finish in its thread."""
+    ended it. The rejection runs in a thread, bounded by `timeout_s`. It is awaited
+    when the block ends by itself or by an error (so a migration's next pass starts
+    after it), not when the caller is being cancelled or closed: a cancelled task is
+    cancelled again at every await (anyio), and its cleanup must finish in one step."""
 
     def __init__(self, handle: KVHandle, timeout_s: float = 1.0) -> None:
         self.handle = handle
@@ -561,9 +563,11 @@ class LeaseGuard:
     async def __aenter__(self) -> LeaseGuard:
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         if self.reason is None:
             return
         loop = asyncio.get_running_loop()
         sent = loop.run_in_executor(None, reject_lease, self.handle, self.reason, self.timeout_s)
+        if exc_type is not None and issubclass(exc_type, (asyncio.CancelledError, GeneratorExit)):
+            return  # sent from its thread; nothing here may wait
         await asyncio.shield(sent)

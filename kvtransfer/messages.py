@@ -193,7 +193,8 @@ class RoutingStats:
     """What a pool replica reports to every router (Serve's `record_routing_stats`,
     every `router.stats_period_s`). On the wire it is a dict (`to_wire`), since Serve
     passes it through its controller; routers read it back with `from_wire`.
-    A replica that has not reported yet reads as idle with every block free."""
+    A replica that has not reported yet reads as idle, its free blocks unknown (None):
+    the prefill router counts none free, the decode router all."""
 
     num_requests: int = 0  # waiting + running
     queued_prefill_tokens: int = 0

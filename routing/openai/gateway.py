@@ -98,8 +98,9 @@ class Gateway:
         self.tokenizer = load_tokenizer(self.engine_cfg.model)
         self.prefill, self.decode, self.aggregated = prefill, decode, aggregated
         tracing.setup_tracing(TelemetryConfig.model_validate(telemetry or {}), "gateway")
-        self.metrics = GatewayMetrics(replica_id())
-        self.record = self.metrics.recorder
+        # Not `self.metrics`: that name is the /metrics route below.
+        self.gateway_metrics = GatewayMetrics(replica_id())
+        self.record = self.gateway_metrics.recorder
         slo_cfg = SLOConfig.model_validate(slo or {})
         self.signals = GatewaySignals(slo_cfg.ttft_ms, slo_cfg.tpot_ms, quantile=slo_cfg.goodput_target)
         self.keys = APIKeys.load(self.cfg.api_keys_file)
@@ -145,10 +146,10 @@ class Gateway:
             self.keys.authenticate(request.headers.get("authorization"))
         try:
             for pool, stats in (await asyncio.wait_for(self._pool_stats(), timeout=2)).items():
-                self.metrics.observe_pool(pool, stats)
+                self.gateway_metrics.observe_pool(pool, stats)
         except Exception as e:
             log.warning("pool stats unavailable for /metrics: %s", e)
-        return PlainTextResponse(generate_latest(self.metrics.registry).decode())
+        return PlainTextResponse(generate_latest(self.gateway_metrics.registry).decode())
 
     async def _pool_stats(self) -> dict[str, dict]:
         pools = {"prefill": self.prefill, "decode": self.decode, "aggregated": self.aggregated}

@@ -39,4 +39,4 @@ def publish_request_schemas(app: FastAPI, models: Iterable[type[BaseModel]]) -> 
                 schemas[model.__name__] = schema
         return doc
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend the schema

@@ -144,10 +144,12 @@ class _Pass:
             call = DecodeRequest(req.request_id, req.prompt_token_ids, result.first_token, req.sampling, handle,
                                  req.trace)
             stream = self.decode.options(stream=True).generate.remote(call)
+            finished = False  # the request's final output came through
             try:
                 batches = stream.__aiter__()
                 outs = await _first_batch(batches, max(0.0, handle.lease_expiry - time.time()) + _DECODE_START_GRACE_S)
                 while True:
+                    finished = outs[-1].finished
                     yield outs
                     outs = await batches.__anext__()
             except StopAsyncIteration:
@@ -156,6 +158,9 @@ class _Pass:
                 stream.cancel()
                 raise
             except Exception as e:
+                if finished:  # lost after the end: nothing to migrate (decode released the lease)
+                    lease.settled()
+                    return
                 self._decode_failed(e, lease)
 
     def _decode_failed(self, e: Exception, lease: LeaseGuard) -> None:
@@ -210,7 +215,7 @@ async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resi
     raise AssertionError("unreachable")
 
 
-async def within(batches: AsyncIterator, timeout_s: float | None) -> AsyncIterator:
+async def within(batches: AsyncGenerator, timeout_s: float | None) -> AsyncGenerator:
     """`batches` until `timeout_s` has passed since the first was asked for; then the
     pipeline is cancelled (its Serve calls cancelled, its lease rejected) and a 504 raised."""
     if timeout_s is None:
@@ -218,7 +223,7 @@ async def within(batches: AsyncIterator, timeout_s: float | None) -> AsyncIterat
             yield outs
         return
     deadline = time.monotonic() + timeout_s
-    it = batches.__aiter__()
+    it = batches
     try:
         while True:
             try:

@@ -144,7 +144,7 @@ class _SamplingRequest(_Request):
     @field_validator(*UNHONOURED_SAMPLING)
     @classmethod
     def _not_honoured(cls, v: Any, info: ValidationInfo) -> Any:
-        if not _harmless(info.field_name, v):
+        if not _harmless(info.field_name or "", v):
             raise ValueError(f"{info.field_name} is not supported yet (refused rather than ignored)")
         return v
 
@@ -214,7 +214,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator(*UNHONOURED_CHAT)
     @classmethod
     def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
-        if not _harmless(info.field_name, v):
+        if not _harmless(info.field_name or "", v):
             raise ValueError(f"{info.field_name} is not supported yet (refused rather than ignored)")
         return v
 
@@ -297,6 +297,7 @@ class CompletionRequest(_SamplingRequest):
         if requested is None:
             requested = COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else min(limit, COMPLETIONS_DEFAULT_MAX_TOKENS)
         max_tokens = resolve_max_tokens(requested, num_prompt_tokens, max_model_len, "prompt", limit)
+        assert max_tokens is not None  # `requested` was given
         return self._sampling(max_tokens, self.logprobs)
 
 

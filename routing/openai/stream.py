@@ -72,7 +72,7 @@ class MergedDelta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: str | None = None  # OpenAI's name (`openai_finish_reason`)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = -1
     num_output_tokens: int = 0
@@ -192,6 +192,10 @@ class _Stream:
     @property
     def usage(self) -> UsageInfo:
         return UsageInfo.of(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+    def _usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        """The endpoint's final chunk carrying only `usage` (each stream defines it)."""
+        raise NotImplementedError
 
     def done(self, usage: UsageInfo | None = None) -> str:
         """The closing events: the usage chunk (choices empty) when include_usage, then

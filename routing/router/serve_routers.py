@@ -108,6 +108,8 @@ class _Planned:
 class _LoadTracking:
     """Local in-flight accounting shared by both routers (a mixin over RequestRouter)."""
 
+    pool: str  # the pool this router serves: "prefill" or "decode"
+
     def _init_tracking(self) -> None:
         self._inflight: dict[str, _InFlight] = {}
         self._planned: dict[str, _Planned] = {}  # internal id -> decision not yet sent
@@ -210,7 +212,7 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
 
     pool = "prefill"
 
-    def initialize_state(
+    def initialize_state(  # type: ignore[override]  # Serve passes request_router_kwargs as keywords
         self, config: dict | None = None, block_size: int = 16, model_fingerprint: str = "", seed: int | None = None
     ) -> None:
         """`config` is a dumped `RouterConfig`; `block_size` and `model_fingerprint` are
@@ -318,6 +320,7 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
         self._observe(decision, req.trace, started, max(matched.values(), default=0))
         self.affinity.record(req.session_id, decision.replica_id)
         to_compute = len(prompt) - decision.cached_blocks * self.block_size
+        assert pending_request is not None  # it carried the message
         self._plan(pending_request, decision.replica_id, to_compute, len(prompt))
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
         rest.sort(key=lambda r: self._snapshot(replica_key(r.replica_id), r).queued_prefill_tokens)
@@ -329,7 +332,9 @@ class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
 
     pool = "decode"
 
-    def initialize_state(self, config: dict | None = None, block_size: int = 16, seed: int | None = None) -> None:
+    def initialize_state(  # type: ignore[override]  # Serve passes request_router_kwargs as keywords
+        self, config: dict | None = None, block_size: int = 16, seed: int | None = None
+    ) -> None:
         self.config = RouterConfig.model_validate(config or {})
         self.block_size = block_size
         self._rng = random.Random(seed)
@@ -372,6 +377,7 @@ class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
             )
         decision = choose_decode(snapshots, self.config, need, self._rng)
         self._observe(decision, req.trace, started)
+        assert pending_request is not None  # it carried the message
         self._plan(pending_request, decision.replica_id, need)  # tracked in blocks here
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
         return [[by_key[decision.replica_id]], *([r] for r in rest)]

@@ -255,3 +255,20 @@ async def test_a_finished_request_leaves_its_lease_to_decode(make_engine, prompt
     await collect(pipeline.disaggregated(FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[]),
                                          request(prompt), pipeline.Timing()))
     assert rejected == []  # decode released it
+
+
+async def test_a_decode_replica_lost_after_the_final_output_is_not_a_migration(make_engine, prompt, reference):
+    class DiesAfterTheEnd(FakeDecode):
+        async def _run(self, req, limit, import_fail=None):
+            async for outs in super()._run(req, None):
+                yield outs
+            raise ActorDiedError()  # the replica went away before the stream's end was read
+
+    prefill = FakePrefill(make_engine())
+    timing = pipeline.Timing()
+    outs = await collect(pipeline.disaggregated(prefill, DiesAfterTheEnd(make_engine(), die_after=[]),
+                                                request(prompt), timing,
+                                                resilience=pipeline.Resilience(max_migrations=1)))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+    assert timing.migrations == 0 and len(prefill.calls) == 1
