@@ -37,6 +37,13 @@ UNHONOURED_CHAT = ("tools", "tool_choice", "functions", "function_call")
 UNHONOURED = UNHONOURED_SAMPLING + UNHONOURED_CHAT
 
 
+def _refuse_unless_harmless(value: Any, info: ValidationInfo) -> Any:
+    """A validator's body for an `UNHONOURED` field: `value` if it asks for nothing."""
+    if not _harmless(info.field_name or "", value):
+        raise ValueError(f"{info.field_name} is not supported yet (refused rather than ignored)")
+    return value
+
+
 def _harmless(field: str, value: Any) -> bool:
     """Whether `value` of an unhonoured field asks for nothing duet would skip."""
     if value is None:
@@ -144,9 +151,7 @@ class _SamplingRequest(_Request):
     @field_validator(*UNHONOURED_SAMPLING)
     @classmethod
     def _not_honoured(cls, v: Any, info: ValidationInfo) -> Any:
-        if not _harmless(info.field_name or "", v):
-            raise ValueError(f"{info.field_name} is not supported yet (refused rather than ignored)")
-        return v
+        return _refuse_unless_harmless(v, info)
 
     @property
     def include_usage(self) -> bool:
@@ -214,9 +219,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator(*UNHONOURED_CHAT)
     @classmethod
     def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
-        if not _harmless(info.field_name or "", v):
-            raise ValueError(f"{info.field_name} is not supported yet (refused rather than ignored)")
-        return v
+        return _refuse_unless_harmless(v, info)
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template wants them: role and plain-text content."""
