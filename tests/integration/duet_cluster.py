@@ -242,6 +242,7 @@ class Deployer:
         from cluster.serve_config import deploy
 
         self.current = None
+        drop_cached_handles()
         if cfg.cache.disk_path:  # a new deployment starts with an empty disk tier
             shutil.rmtree(cfg.cache.disk_path, ignore_errors=True)
         deploy(cfg, timeout_s=300)  # the generated Serve config, as `duet serve` deploys it
@@ -272,6 +273,24 @@ class Deployer:
         pool = "decode" if d.cfg.mode == "disaggregated" else "aggregated"
         total = expect or d.cfg.engine.num_kv_blocks
         wait_for(lambda: d.stats(pool)["kv_blocks_total"] == total, 60, what=f"{pool} with {total} blocks")
+
+
+def drop_cached_handles() -> None:
+    """Shut down the handles Serve's client caches in this process. A handle builds its
+    request router once, from the deployment's router kwargs at its first call, and
+    keeps it across redeploys: a handle cached under an earlier config would route by
+    that config's policy and prefix index."""
+    from ray.serve.context import _get_global_client
+
+    _get_global_client().shutdown_cached_handles()
+
+
+def fresh_handle(deployment: str):
+    """A handle with its own new request router (`serve.get_deployment_handle` returns
+    the client's cached handle, whose router may have seen other tests' requests)."""
+    from ray.serve.handle import DeploymentHandle
+
+    return DeploymentHandle(deployment, APP_NAME)
 
 
 def _app_details() -> dict | None:

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 
 import pytest
-from duet_cluster import APP_NAME, Duet, prompt, wait_for
+from duet_cluster import APP_NAME, Duet, fresh_handle, prompt, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster("kv-routing")]
 
@@ -22,10 +22,9 @@ SYSTEM = prompt(320, 7)  # a hot system prompt: 20 blocks
 
 
 def prefill_handle():
-    """A new handle, so a new KV-aware router in this process (its own view of load)."""
-    from ray import serve
-
-    return serve.get_deployment_handle("prefill", APP_NAME)
+    """A new handle, so a new KV-aware router in this process (its own view of load),
+    built from the running config's router settings."""
+    return fresh_handle("prefill")
 
 
 async def prefill_direct(handle, ids: list[int]):
@@ -48,11 +47,16 @@ def reject_now(result) -> None:
         reject_lease(result.kv_handle, RejectReason.CLIENT_DISCONNECTED, timeout_s=5.0)
 
 
+def request_router(handle):
+    """The KV-aware router Serve built in this process for `handle` (at its first call)."""
+    return handle._router._asyncio_router.request_router
+
+
 async def router_settled(handle, timeout: float = 30.0) -> None:
     """Wait until the KV-aware router Serve built in this process for `handle` has seen
     every request it sent complete (its completion callbacks run on Serve's router
     thread, possibly after the caller already has the result)."""
-    router = handle._router._asyncio_router.request_router
+    router = request_router(handle)
     deadline = time.monotonic() + timeout
     while router.pending():
         assert time.monotonic() < deadline, "the router never saw its requests complete"
@@ -95,6 +99,8 @@ def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(duet):
         for k in range(2):
             base = prompt(256, 100 + k)
             first = await prefill_direct(h, base + prompt(20, 200 + k))
+            # The router is this config's (a stale one chose by another index: the tie-break).
+            assert request_router(h).config == duet.cfg.router
             holder = _replica(first)
             _wait_indexed(duet, base, holder)
             followers = []
@@ -143,14 +149,14 @@ def test_a_restarted_router_keeps_routing_by_prefix(duet):
     def fresh_router(ids, app_name):
         import asyncio as aio
 
-        from ray import serve as srv
+        from ray.serve.handle import DeploymentHandle
 
         from engine.sampling_params import SamplingParams
         from kvtransfer.handoff import reject_lease
         from kvtransfer.messages import PrefillRequest, RejectReason
 
         async def go():
-            h = srv.get_deployment_handle("prefill", app_name)
+            h = DeploymentHandle("prefill", app_name)  # not a cached one: a new router
             out = []
             for i in range(3):
                 if i:  # the fresh router has seen the previous request complete
