@@ -10,6 +10,7 @@ import os
 from functools import lru_cache
 from typing import cast
 
+from engine import model_cache
 from engine.weights import Checkpoint, resolve_checkpoint
 
 
@@ -22,7 +23,7 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         if ckpt.kind == "gguf":
-            self.hf = AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name)
+            self.hf = _gguf_tokenizer(ckpt)
         else:
             self.hf = AutoTokenizer.from_pretrained(str(ckpt.path))
         self.eos_token_id: int | None = self.hf.eos_token_id
@@ -42,6 +43,19 @@ class Tokenizer:
             raise ValueError("this model has no chat template; use the completions endpoint")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return cast(str, text)
+
+
+def _gguf_tokenizer(ckpt: Checkpoint):
+    """From the converted copy (engine/model_cache.py) when there is one: rebuilding it
+    from the GGUF's metadata takes ~5 s, reading the saved one ~0.2 s."""
+    from transformers import AutoTokenizer
+
+    part = model_cache.cached_part(ckpt.path, ckpt.model_id, "tokenizer")
+    if part is not None:
+        return AutoTokenizer.from_pretrained(str(part))
+    hf = AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name)
+    model_cache.store_part(ckpt.path, ckpt.model_id, "tokenizer", hf.save_pretrained)
+    return hf
 
 
 @lru_cache(maxsize=4)

@@ -7,6 +7,7 @@ Both paths produce a `ModelConfig` and a state dict in HF Llama naming
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine import model_cache
 from engine.config import DEFAULT_MODEL, ConfigError, EngineConfig, ModelConfig
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -118,6 +120,34 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _load_gguf(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """From the converted copy (engine/model_cache.py) when there is one, else from
+    the GGUF, leaving a converted copy for the next start."""
+    part = model_cache.cached_part(ckpt.path, ckpt.model_id, "weights")
+    if part is not None:
+        cfg, state = _read_converted(part)
+    else:
+        cfg, state = _dequantize_gguf(ckpt)
+        model_cache.store_part(ckpt.path, ckpt.model_id, "weights", lambda d: _write_converted(d, cfg, state))
+    return cfg, {k: v.to(dtype) for k, v in state.items()}
+
+
+def _write_converted(directory: Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    (directory / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    save_file(state, os.fspath(directory / "model.safetensors"))
+
+
+def _read_converted(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    raw = json.loads((directory / "config.json").read_text())
+    cfg = ModelConfig(**{**raw, "eos_token_ids": tuple(raw["eos_token_ids"])})
+    return cfg, load_file(os.fspath(directory / "model.safetensors"))
+
+
+def _dequantize_gguf(ckpt: Checkpoint) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The GGUF's config and its weights, dequantized to float32 in HF Llama naming."""
     import gguf
     from gguf.quants import dequantize
 
@@ -145,7 +175,7 @@ def _load_gguf(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, dict[
             key = f"model.layers.{idx}.{_GGUF_NAMES[part]}.weight"
         else:
             continue
-        state[key] = torch.from_numpy(np.array(w, copy=True)).to(dtype)
+        state[key] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
     return cfg, state
 
 
