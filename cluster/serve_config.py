@@ -6,6 +6,11 @@ cluster config carried in `args`, and when a pool uses the goodput policy the ap
 gets the application-level `autoscaling_policy` (cluster/autoscaler.py) with the
 same config as its kwargs. Capacity profiles are inlined as numbers: the Serve
 controller and the replicas may run on nodes that have no profile file. `duet serve` deploys exactly this.
+
+A fixed pool's size travels as its deployment's `num_replicas` (the app's
+`deployments:` list), not inside `args`: Serve restarts every replica of an app whose
+args change, but only adds or drains replicas of a deployment whose `num_replicas`
+changes. So resizing a fixed pool never restarts the others.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 
 from cluster.app import REPLICA_ENV, build_app
 from cluster.config import ClusterConfig
+from cluster.pools import PoolConfig
 from cluster.serve_cli import APP_NAME
 from routing.openai.access import KEYS_ENV
 
@@ -31,30 +37,37 @@ def serve_config(cfg: ClusterConfig, env: dict[str, str] | None = None) -> dict:
     environment for every process of the app (e.g. the API keys a joined cluster
     does not have)."""
     cfg = cfg.model_copy(update={"telemetry": cfg.telemetry.resolved()})  # this shell's OTEL_* variables
+    carried = portable_config(without_fixed_sizes(cfg))
     app: dict = {
         "name": APP_NAME,
         "route_prefix": "/",
         "import_path": IMPORT_PATH,
-        "args": {"config": portable_config(cfg)},
+        "args": {"config": carried},
         "runtime_env": {"env_vars": {**REPLICA_ENV, **(env or {})}},
         # Replicas log warnings and errors, not every call (access logs cost CPU at load).
         "logging_config": {"log_level": "WARNING", "enable_access_log": False},
     }
-    policy = autoscaling_policy(cfg)
-    if policy is not None:
-        app["autoscaling_policy"] = policy
+    sizes = fixed_sizes(cfg)
+    if sizes:
+        app["deployments"] = [{"name": name, "num_replicas": n} for name, n in sizes.items()]
+    if cfg.scaled_pools("goodput"):
+        app["autoscaling_policy"] = {"policy_function": POLICY_PATH, "policy_kwargs": {"config": carried}}
     return {
         "http_options": {"host": cfg.gateway.host, "port": cfg.gateway.port},
         "applications": [app],
     }
 
 
-def autoscaling_policy(cfg: ClusterConfig) -> dict | None:
-    """The app-level policy, when any pool is scaled by `goodput` (else None: the
-    pools' own Serve settings decide)."""
-    if not cfg.scaled_pools("goodput"):
-        return None
-    return {"policy_function": POLICY_PATH, "policy_kwargs": {"config": portable_config(cfg)}}
+def fixed_sizes(cfg: ClusterConfig) -> dict[str, int]:
+    """Replicas of each fixed-size pool, by deployment name."""
+    return {name: pool.replicas for name, pool in cfg.scaled_pools("fixed").items()}
+
+
+def without_fixed_sizes(cfg: ClusterConfig) -> ClusterConfig:
+    """`cfg` with each fixed pool at the default `replicas` (its size goes to Serve apart)."""
+    default = PoolConfig.model_fields["replicas"].default
+    return cfg.model_copy(update={name: pool.model_copy(update={"replicas": default})
+                                  for name, pool in cfg.scaled_pools("fixed").items()})
 
 
 def portable_config(cfg: ClusterConfig) -> dict:
@@ -80,7 +93,11 @@ def cluster_config_of(config: dict) -> ClusterConfig:
     apps = [a for a in config.get("applications", []) if a.get("import_path") == IMPORT_PATH]
     if len(apps) != 1:
         raise ValueError(f"expected one application with import_path {IMPORT_PATH}, found {len(apps)}")
-    return ClusterConfig.model_validate(apps[0].get("args", {}).get("config", {}))
+    cfg = ClusterConfig.model_validate(apps[0].get("args", {}).get("config", {}))
+    sizes = {d["name"]: d["num_replicas"] for d in apps[0].get("deployments", []) if "num_replicas" in d}
+    pools = cfg.scaled_pools("fixed")
+    return cfg.model_copy(update={name: pools[name].model_copy(update={"replicas": n})
+                                  for name, n in sizes.items() if name in pools})
 
 
 def deploy_config(config: dict, timeout_s: float = 300.0) -> dict:

@@ -101,9 +101,17 @@ def carried_configs(serve_config: dict) -> tuple[dict, list[ClusterConfig]]:
     configs as configs, and the rest exactly."""
     sc = copy.deepcopy(serve_config)
     app = sc["applications"][0]
-    found = [ClusterConfig.model_validate(app["args"].pop("config"))]
+    configs = [app["args"].pop("config")]
     if "autoscaling_policy" in app:
-        found.append(ClusterConfig.model_validate(app["autoscaling_policy"]["policy_kwargs"].pop("config")))
+        configs.append(app["autoscaling_policy"]["policy_kwargs"].pop("config"))
+    # Fixed pools' sizes travel in `deployments` (kept in the rest, compared exactly).
+    sizes = {d["name"]: d["num_replicas"] for d in app.get("deployments", [])}
+    found = []
+    for config in configs:
+        config = copy.deepcopy(config)
+        for name, n in sizes.items():
+            config.setdefault(name, {})["replicas"] = n
+        found.append(ClusterConfig.model_validate(config))
     return sc, found
 
 

@@ -195,8 +195,8 @@ def test_removing_a_replica_clears_its_entries(deployer, duet):
     async def current():
         return (await prefill_handle().stats.remote())["replica_id"]
 
-    # A redeploy with other init args replaces every replica: whichever replica runs
-    # now may be new; every one that left must be gone from the index.
+    # Resizing drains one replica and keeps the other (cluster/serve_config.py); every
+    # one that left must be gone from the index.
     running = asyncio.run(current())
 
     def cleared() -> bool:

@@ -11,7 +11,15 @@ import time
 
 import httpx
 import pytest
-from duet_cluster import APP_NAME, METRICS_PORT, gateway_counter, kill_replica, wait_for, wait_idle, wait_replicas
+from duet_cluster import (
+    METRICS_PORT,
+    gateway_counter,
+    kill_replica,
+    live_replicas,
+    wait_for,
+    wait_idle,
+    wait_replicas,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster("resilient")]
 
@@ -115,15 +123,12 @@ def test_requests_right_after_a_prefill_replica_dies_are_served(duet):
     wait_idle(duet, timeout=60)
 
 
-def test_scaling_down_drains_the_replica_it_stops(duet):
-    from duet_cluster import BASE, CLUSTERS
-    from ray import serve
-
-    from cluster.app import build_app
-    from cluster.config import load_config
-
+def test_scaling_down_drains_the_replica_it_stops(deployer, duet):
+    """Resizing a fixed pool is Serve's lightweight update (cluster/serve_config.py): the
+    removed replica drains, and no other replica is restarted."""
     wait_replicas("decode", 2)
     reference, _ = _stream(duet)
+    before = {pool: live_replicas(pool) for pool in ("gateway", "prefill", "decode")}
     texts: dict[int, str] = {}
     ids: dict[int, str] = {}
     started = [threading.Event(), threading.Event()]
@@ -138,15 +143,15 @@ def test_scaling_down_drains_the_replica_it_stops(duet):
         threads.append(threading.Thread(target=client, args=(i,)))
         threads[-1].start()
         assert started[i].wait(120)
-    one = load_config(None, {**BASE, **CLUSTERS["resilient"], "decode.replicas": 1})
-    serve.run(build_app(one), name=APP_NAME, route_prefix="/", blocking=False)
+    migrations = gateway_counter(duet, "duet_migrations_total")
+    smaller = deployer("resilient", {"decode.replicas": 1})  # returns once one decode replica is left
     for t in threads:
         t.join(300)
     assert texts == {0: reference, 1: reference}
-    # Drained, not lost: no gateway logged a migration of either (the app was redeployed,
-    # so the old gateway's counters went with it; its log stays).
+    # Drained, not lost: the gateway migrated neither stream.
+    assert gateway_counter(smaller, "duet_migrations_total") == migrations
     assert not _logged_migrations(set(ids.values()))
-    wait_replicas("decode", 1)
-    serve.run(build_app(duet.cfg), name=APP_NAME, route_prefix="/", blocking=False)
-    wait_replicas("decode", 2)
-    wait_idle(duet, timeout=60)
+    after = {pool: live_replicas(pool) for pool in ("gateway", "prefill", "decode")}
+    assert after["gateway"] == before["gateway"] and after["prefill"] == before["prefill"]
+    assert len(after["decode"]) == 1 and after["decode"] < before["decode"]
+    wait_idle(smaller, timeout=60)

@@ -12,7 +12,7 @@ import pytest
 from autoscaling import signals as sig
 from cluster.autoscaler import GoodputAutoscaler
 from cluster.config import ClusterConfig, load_config
-from cluster.serve_config import IMPORT_PATH, POLICY_PATH, serve_config
+from cluster.serve_config import IMPORT_PATH, POLICY_PATH, cluster_config_of, serve_config
 
 pytestmark = pytest.mark.unit
 
@@ -46,6 +46,31 @@ def test_the_goodput_policy_travels_with_its_profile_numbers_not_the_file():
 def test_without_a_goodput_pool_serve_decides_alone():
     cfg = load_config(None, {"prefill.autoscaling": {"policy": "queue", "max_replicas": 2}})
     assert "autoscaling_policy" not in serve_config(cfg)["applications"][0]
+
+
+def test_resizing_a_fixed_pool_keeps_the_app_code_version():
+    """Serve restarts every replica when an app's code version changes (import path,
+    args, policies); a fixed pool's size travels apart so resizing only resizes."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema
+
+    def app(overrides: dict) -> dict:
+        return serve_config(load_config(None, overrides))["applications"][0]
+
+    small, big = app({"decode.replicas": 1}), app({"decode.replicas": 3, "prefill.replicas": 2})
+    assert big["deployments"] == [{"name": "prefill", "num_replicas": 2}, {"name": "decode", "num_replicas": 3}]
+    version = [get_app_code_version(ServeApplicationSchema.model_validate(a)) for a in (small, big)]
+    assert version[0] == version[1]
+    other = app({"decode.replicas": 3, "engine.max_num_seqs": 8})  # an engine change does restart
+    assert get_app_code_version(ServeApplicationSchema.model_validate(other)) != version[0]
+
+
+def test_a_generated_config_reads_back_as_the_cluster_config():
+    cfg = load_config(None, {"prefill.replicas": 2, "decode.replicas": 3,
+                             "decode.autoscaling": {"policy": "queue", "max_replicas": 4}})
+    assert cluster_config_of(serve_config(cfg)) == cfg
+    scaled = serve_config(cfg)["applications"][0]
+    assert scaled["deployments"] == [{"name": "prefill", "num_replicas": 2}]  # decode: Serve's autoscaler
 
 
 @dataclass(frozen=True)

@@ -128,15 +128,30 @@ serve_config() builds it; tests/unit/test_helm_chart.py holds the two equal.
 */}}
 {{- define "duet.serveConfig" -}}
 {{- $gateway := .Values.duet.gateway | default dict }}
+{{- /* A fixed pool's size goes to its deployment's num_replicas, not into args:
+  Serve restarts every replica when args change, and only resizes for num_replicas. */}}
+{{- $config := deepCopy .Values.duet }}
+{{- $sizes := list }}
+{{- range $name := (include "duet.pools" . | fromJsonArray) }}
+{{- $pool := get $config $name | default dict }}
+{{- $a := dig "autoscaling" "" $pool }}
+{{- if not (and (kindIs "map" $a) (ne (dig "policy" "goodput" $a) "fixed")) }}
+{{- $sizes = append $sizes (dict "name" $name "num_replicas" (int (get $pool "replicas" | default 1))) }}
+{{- $_ := unset $pool "replicas" }}
+{{- end }}
+{{- end }}
 {{- $app := dict
   "name" "duet"
   "route_prefix" "/"
   "import_path" "cluster.serve_config:build"
-  "args" (dict "config" .Values.duet)
+  "args" (dict "config" $config)
   "runtime_env" (dict "env_vars" (dict "PYTHONHASHSEED" "0" "HF_HUB_OFFLINE" "1" "TRANSFORMERS_VERBOSITY" "error"))
   "logging_config" (dict "log_level" "WARNING" "enable_access_log" false) }}
+{{- if $sizes }}
+{{- $_ := set $app "deployments" $sizes }}
+{{- end }}
 {{- if include "duet.goodput" . }}
-{{- $_ := set $app "autoscaling_policy" (dict "policy_function" "cluster.autoscaler:GoodputAutoscaler" "policy_kwargs" (dict "config" .Values.duet)) }}
+{{- $_ := set $app "autoscaling_policy" (dict "policy_function" "cluster.autoscaler:GoodputAutoscaler" "policy_kwargs" (dict "config" $config)) }}
 {{- end }}
 {{- $http := dict "host" (get $gateway "host" | default "127.0.0.1") "port" (int (get $gateway "port" | default 8000)) }}
 {{- toYaml (dict "http_options" $http "applications" (list $app)) }}
