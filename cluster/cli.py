@@ -24,6 +24,7 @@ BENCH_TARGETS: dict[str, str] = {
     "routing": "bench.routing",
     "tracing": "bench.tracing",
     "autoscale": "bench.autoscale",
+    "startup": "bench.startup",
 }
 
 
