@@ -19,7 +19,9 @@ from routing.openai.access import KEYS_ENV
 from routing.openai.gateway import Gateway
 
 # Every replica computes block hashes and LMCache keys the same way.
-REPLICA_ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+# LMCache logs every chunk it stores at INFO: a line per prompt per replica at load.
+REPLICA_ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+               "LMCACHE_LOG_LEVEL": "WARNING"}
 
 
 def _options(name: str, pool: PoolConfig, drain_at_least_s: float = 0.0) -> dict:
