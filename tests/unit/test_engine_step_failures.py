@@ -121,14 +121,18 @@ async def test_an_add_cancelled_while_queued_never_starts_and_one_cancelled_afte
     try:
         # Queued behind a busy engine thread, then cancelled: the engine skips the
         # command, so `start` never runs (what its caller holds is still the caller's).
-        gate, started = threading.Event(), []
-        ae.submit(lambda: gate.wait(10))
+        gate, busy, started = threading.Event(), threading.Event(), []
+        ae.submit(lambda: (busy.set(), gate.wait(30)))
+        assert await asyncio.to_thread(busy.wait, 30)
         task = asyncio.create_task(ae.add("queued", lambda: started.append(1)))
-        await asyncio.sleep(0.05)
+        for _ in range(3000):  # the add's command is queued behind the busy one
+            if not ae._commands.empty():
+                break
+            await asyncio.sleep(0.01)
         task.cancel()
-        gate.set()
         with pytest.raises(asyncio.CancelledError):
-            await task
+            await task  # the cancel has reached the queued command before the engine is free
+        gate.set()
         await ae.call(lambda: None)
         assert started == []
 
