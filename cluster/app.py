@@ -18,8 +18,8 @@ from prefill.server import PrefillServer
 from routing.openai.access import KEYS_ENV
 from routing.openai.gateway import Gateway
 
-# Every replica computes block hashes and LMCache keys the same way.
-# LMCache logs every chunk it stores at INFO: a line per prompt per replica at load.
+# Every replica computes block hashes and LMCache keys the same way (PYTHONHASHSEED);
+# LMCache would log every chunk it stores at INFO, a line per prompt per replica.
 REPLICA_ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
                "LMCACHE_LOG_LEVEL": "WARNING"}
 
@@ -129,10 +129,6 @@ def build_app(cfg: ClusterConfig):
         pool = serve.deployment(AggregatedServer).options(**_options("aggregated", cfg.aggregated))
         return gateway.bind(**gateway_args, aggregated=pool.bind(**_pool_args(cfg, cfg.aggregated)))
     routers = router_configs(cfg)
-    # The gateway's handles build their request routers once, from the kwargs Serve
-    # has at their first call, and keep them across redeploys: a new `router:` must
-    # change the gateway's args so Serve replaces it.
-    gateway_args["router"] = cfg.router.model_dump()
     prefill_opts = _options("prefill", cfg.prefill, drain_at_least_s=cfg.transfer.lease_ttl_s + 5)
     decode_opts = _options("decode", cfg.decode)
     if routers:

@@ -51,7 +51,6 @@ from routing.openai.stream import (
     build_completion_response,
     sse_error,
 )
-from routing.router.policy import RouterConfig
 from telemetry import metrics, tracing
 from telemetry.config import TelemetryConfig
 from telemetry.tracing import Context
@@ -86,14 +85,11 @@ class Gateway:
 
     def __init__(
         self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None, telemetry: dict | None = None,
-        slo: dict | None = None, router: dict | None = None,
+        slo: dict | None = None,
     ):
         """`gateway`, `engine`, `telemetry` and `slo` are a dumped `GatewayConfig`, the
         pools' `EngineConfig`, a `TelemetryConfig` and an `SLOConfig`; `aggregated` set
-        means aggregated mode, else `prefill` and `decode` are the pools. `router` is
-        the pools' dumped `RouterConfig`: the request routers of `prefill` and `decode`
-        are built from it in this process, once (cluster/app.py passes it so that a
-        new one replaces this replica)."""
+        means aggregated mode, else `prefill` and `decode` are the pools."""
         self.cfg = GatewayConfig.model_validate(gateway)
         self.engine_cfg = EngineConfig.model_validate(engine)
         self.mode = "aggregated" if aggregated is not None else "disaggregated"
@@ -101,9 +97,6 @@ class Gateway:
         self.max_model_len = self.engine_cfg.max_model_len
         self.tokenizer = load_tokenizer(self.engine_cfg.model)
         self.prefill, self.decode, self.aggregated = prefill, decode, aggregated
-        if router is not None:
-            routing = RouterConfig.model_validate(router)
-            log.info("gateway: pools routed by the %s policy (prefix index: %s)", routing.policy, routing.prefix_index)
         tracing.setup_tracing(TelemetryConfig.model_validate(telemetry or {}), "gateway")
         # Not `self.metrics`: that name is the /metrics route below.
         self.gateway_metrics = GatewayMetrics(replica_id())
