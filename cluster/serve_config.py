@@ -21,6 +21,7 @@ from cluster.app import REPLICA_ENV, build_app
 from cluster.config import ClusterConfig
 from cluster.pools import PoolConfig
 from cluster.serve_cli import APP_NAME
+from engine import model_cache
 from routing.openai.access import KEYS_ENV
 
 IMPORT_PATH = "cluster.serve_config:build"
@@ -84,8 +85,11 @@ def portable_config(cfg: ClusterConfig) -> dict:
 def deploy(cfg: ClusterConfig, timeout_s: float = 300.0) -> dict:
     """Apply `cfg`'s Serve config to the running Serve instance (as `serve deploy`
     would, without the dashboard) and wait until the app runs it. Returns the config."""
-    env = {KEYS_ENV: os.environ[KEYS_ENV]} if os.environ.get(KEYS_ENV) else None
-    return deploy_config(serve_config(cfg, env), timeout_s)
+    env = {KEYS_ENV: os.environ[KEYS_ENV]} if os.environ.get(KEYS_ENV) else {}
+    root = model_cache.cache_root()
+    if os.environ.get(model_cache.CACHE_ENV):  # the replicas' converted model copies go where this shell says
+        env[model_cache.CACHE_ENV] = str(root) if root is not None else "off"
+    return deploy_config(serve_config(cfg, env or None), timeout_s)
 
 
 def cluster_config_of(config: dict) -> ClusterConfig:

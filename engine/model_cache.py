@@ -12,32 +12,45 @@ The first process to parse a GGUF writes what it parsed under the cache director
 
 Later starts read those: the tokenizer from its JSON (~0.2 s), the weights from
 safetensors (dequantized already, float32, so any dtype converts from them exactly as
-from the GGUF). The key hashes the GGUF's resolved path, size and modification time
-and `FORMAT`: an edited file or a changed conversion misses instead of reading stale
+from the GGUF; 4 bytes a parameter: ~0.5 GiB for the embedded model, ~8x a 4-bit
+GGUF's size for any other). The key hashes the GGUF's resolved path, size and
+modification time, the source of the modules that convert (engine/weights.py,
+engine/tokenizer.py, this one) and the versions of the libraries they use: an edited
+file, a changed conversion or an upgraded library misses instead of reading stale
 weights.
 
-Each part is written to a temporary directory beside its final place and renamed into
-it, so concurrent first starts each convert, one rename wins, and nobody reads a
-half-written part. The directory is ``$DUET_MODEL_CACHE``, else
-``~/.cache/duet/models``; ``DUET_MODEL_CACHE=off`` disables the cache, and an
-unwritable directory only costs the conversion (logged once per part).
+Each part is written and fsynced in a temporary directory beside its final place and
+renamed into it, so concurrent first starts each convert, one rename wins, and nobody
+reads a half-written part. The cache never stops a start: a part that cannot be
+written only costs the conversion, and one that cannot be read is removed and
+converted again (the callers do that with `discard_part`). The directory is
+``$DUET_MODEL_CACHE``, else ``~/.cache/duet/models``; ``DUET_MODEL_CACHE=off``
+disables the cache.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# Bump when what is written (or how it is converted) changes.
+# Bump when the layout of what is written changes.
 FORMAT = 1
 CACHE_ENV = "DUET_MODEL_CACHE"
+# The modules whose code decides what is written, and the libraries they call.
+_CONVERTERS = ("weights.py", "tokenizer.py", "model_cache.py")
+_LIBRARIES = ("gguf", "transformers", "tokenizers", "safetensors", "numpy", "torch")
+# A temporary part older than this was left by a start that died while writing.
+_ABANDONED_S = 3600.0
 
 
 def cache_root() -> Path | None:
@@ -45,7 +58,21 @@ def cache_root() -> Path | None:
     value = os.environ.get(CACHE_ENV, "")
     if value.lower() in ("off", "0", "false", "none"):
         return None
-    return Path(value).expanduser() if value else Path.home() / ".cache" / "duet" / "models"
+    return Path(value).expanduser().resolve() if value else Path.home() / ".cache" / "duet" / "models"
+
+
+@functools.cache
+def _converter_fingerprint() -> str:
+    h = hashlib.sha256(f"format {FORMAT}".encode())
+    here = Path(__file__).parent
+    for name in _CONVERTERS:
+        h.update((here / name).read_bytes())
+    for lib in _LIBRARIES:
+        try:
+            h.update(f"{lib} {importlib.metadata.version(lib)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            h.update(f"{lib} -".encode())
+    return h.hexdigest()
 
 
 def entry_dir(gguf_path: Path, model_id: str) -> Path | None:
@@ -55,8 +82,8 @@ def entry_dir(gguf_path: Path, model_id: str) -> Path | None:
         return None
     resolved = gguf_path.resolve()
     st = resolved.stat()
-    key = hashlib.sha256(f"{FORMAT}\0{resolved}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return root / f"{model_id}-{key}"
+    source = f"{_converter_fingerprint()}\0{resolved}\0{st.st_size}\0{st.st_mtime_ns}"
+    return root / f"{model_id}-{hashlib.sha256(source.encode()).hexdigest()[:16]}"
 
 
 def cached_part(gguf_path: Path, model_id: str, part: str) -> Path | None:
@@ -70,7 +97,7 @@ def cached_part(gguf_path: Path, model_id: str, part: str) -> Path | None:
 
 def store_part(gguf_path: Path, model_id: str, part: str, write: Callable[[Path], object]) -> Path | None:
     """Write `part` with `write(directory)` and move it into place; the part's path,
-    or None when the cache is off or could not be written."""
+    or None when the cache is off or the part could not be written (logged)."""
     entry = entry_dir(gguf_path, model_id)
     if entry is None:
         return None
@@ -78,13 +105,16 @@ def store_part(gguf_path: Path, model_id: str, part: str, write: Callable[[Path]
     tmp: Path | None = None
     try:
         entry.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(entry)
         tmp = Path(tempfile.mkdtemp(prefix=f".{part}-", dir=entry))
         write(tmp)
+        _fsync_tree(tmp)
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from other users of the cache
         os.rename(tmp, final)  # atomic; fails if another process got there first
         tmp = None
+        _fsync_dir(entry)
         log.info("model cache: wrote %s", final)
-    except OSError as exc:
+    except Exception as exc:  # a full disk, a read-only home, a writer that failed
         if not final.is_dir():
             log.warning("model cache: could not write %s (%s); the next start converts again", final, exc)
             return None
@@ -92,3 +122,44 @@ def store_part(gguf_path: Path, model_id: str, part: str, write: Callable[[Path]
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def discard_part(path: Path, exc: Exception) -> None:
+    """Remove a part that could not be read, so the next start writes it again."""
+    log.warning("model cache: %s is unreadable (%s); converting again", path, exc)
+    trash = path.with_name(f".{path.name}-unreadable-{os.getpid()}")
+    try:
+        os.rename(path, trash)  # atomic: no reader sees it half-removed
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_abandoned(entry: Path) -> None:
+    now = time.time()
+    for p in entry.glob(".*-*"):
+        try:
+            if now - p.stat().st_mtime > _ABANDONED_S:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Everything written under `directory` on disk before the rename publishes it."""
+    for p in directory.iterdir():
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
+from pathlib import Path
 from typing import cast
 
 from engine import model_cache
@@ -52,10 +53,32 @@ def _gguf_tokenizer(ckpt: Checkpoint):
 
     part = model_cache.cached_part(ckpt.path, ckpt.model_id, "tokenizer")
     if part is not None:
-        return AutoTokenizer.from_pretrained(str(part))
+        try:
+            return AutoTokenizer.from_pretrained(str(part))
+        except Exception as exc:
+            model_cache.discard_part(part, exc)
     hf = AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name)
-    model_cache.store_part(ckpt.path, ckpt.model_id, "tokenizer", hf.save_pretrained)
+    model_cache.store_part(ckpt.path, ckpt.model_id, "tokenizer", lambda d: _save_checked(hf, d))
     return hf
+
+
+# Text whose ids must not change between the GGUF's tokenizer and its saved copy:
+# pre-tokenizer splits, byte fallback, special tokens.
+_PROBES = ("Hello, world!", " two  spaces\tand a tab\n", "émoji 😀 中文 ﬁ", "<|im_start|>user\nhi<|im_end|>")
+
+
+def _save_checked(hf, directory: Path) -> None:
+    """Save `hf` and read it back; a copy that tokenizes or templates differently is
+    refused (the model cache then keeps nothing and later starts convert again)."""
+    from transformers import AutoTokenizer
+
+    hf.save_pretrained(directory)
+    copy = AutoTokenizer.from_pretrained(str(directory))
+    for text in _PROBES:
+        if copy.encode(text) != hf.encode(text):
+            raise ValueError(f"the saved tokenizer encodes {text!r} differently")
+    if copy.chat_template != hf.chat_template or len(copy) != len(hf):
+        raise ValueError("the saved tokenizer's chat template or vocabulary differs")
 
 
 @lru_cache(maxsize=4)

@@ -124,8 +124,12 @@ def _load_gguf(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, dict[
     the GGUF, leaving a converted copy for the next start."""
     part = model_cache.cached_part(ckpt.path, ckpt.model_id, "weights")
     if part is not None:
-        cfg, state = _read_converted(part)
-    else:
+        try:
+            cfg, state = _read_converted(part)
+        except Exception as exc:  # truncated by a crash, written by another layout
+            model_cache.discard_part(part, exc)
+            part = None
+    if part is None:
         cfg, state = _dequantize_gguf(ckpt)
         model_cache.store_part(ckpt.path, ckpt.model_id, "weights", lambda d: _write_converted(d, cfg, state))
     return cfg, {k: v.to(dtype) for k, v in state.items()}

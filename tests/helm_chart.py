@@ -110,7 +110,9 @@ def carried_configs(serve_config: dict) -> tuple[dict, list[ClusterConfig]]:
     for config in configs:
         config = copy.deepcopy(config)
         for name, n in sizes.items():
-            config.setdefault(name, {})["replicas"] = n
+            pool = config.setdefault(name, {})
+            assert "replicas" not in pool, f"{name}.replicas is in the carried config: a resize would restart all"
+            pool["replicas"] = n
         found.append(ClusterConfig.model_validate(config))
     return sc, found
 

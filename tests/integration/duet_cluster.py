@@ -239,11 +239,12 @@ class Deployer:
         if self.current is not None and self.current.cfg == cfg and self._untouched():
             return self.current
         from cluster.serve_cli import wait_ready
-        from cluster.serve_config import deploy
+        from cluster.serve_config import deploy, without_fixed_sizes
 
+        resize_only = self.current is not None and without_fixed_sizes(self.current.cfg) == without_fixed_sizes(cfg)
         self.current = None
         drop_cached_handles()
-        if cfg.cache.disk_path:  # a new deployment starts with an empty disk tier
+        if cfg.cache.disk_path and not resize_only:  # new replicas start with an empty disk tier
             shutil.rmtree(cfg.cache.disk_path, ignore_errors=True)
         deploy(cfg, timeout_s=300)  # the generated Serve config, as `duet serve` deploys it
         url = f"http://127.0.0.1:{PORT}"
@@ -256,8 +257,8 @@ class Deployer:
 
     def _untouched(self) -> bool:
         """Whether the app is still the one this deployer deployed. A test that
-        redeploys it itself (test_replica_loss.py's scale-down, with `serve.run`) leaves
-        another, even when it restores the config, and more so when it fails first."""
+        redeploys it itself (with `serve.run`) leaves another, even when it restores
+        the config, and more so when it fails first."""
         app = _app_details()
         return app is not None and app["source"] == "declarative" and app["last_deployed_time_s"] == self._deployed_at
 

@@ -21,10 +21,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.cluster("kv-routing")]
 SYSTEM = prompt(320, 7)  # a hot system prompt: 20 blocks
 
 
-def prefill_handle():
-    """A new handle, so a new KV-aware router in this process (its own view of load),
-    built from the running config's router settings."""
-    return fresh_handle("prefill")
+@pytest.fixture
+def new_router():
+    """Makes prefill handles, each with a new KV-aware router in this process (its own
+    view of load, built from the running config's router settings); shut down after."""
+    handles = []
+
+    def make():
+        handles.append(fresh_handle("prefill"))
+        return handles[-1]
+
+    yield make
+    for h in handles:
+        h.shutdown()
 
 
 async def prefill_direct(handle, ids: list[int]):
@@ -87,14 +96,14 @@ def _wait_indexed(duet: Duet, ids, replica: str, timeout: float = 10.0) -> None:
              what="the prefix's KV events in the index")
 
 
-def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(duet):
+def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(duet, new_router):
     """Waits for the state each decision needs: the index holds the prefix, and the
     router has seen the previous request complete (Serve tells it on its own thread,
     possibly after the caller got the result). Given that, the load it sees is exact
     whatever the report timing: reports name the requests they count."""
 
     async def run():
-        h = prefill_handle()
+        h = new_router()
         out = {}
         for k in range(2):
             base = prompt(256, 100 + k)
@@ -115,14 +124,14 @@ def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(duet):
         assert all(c >= 256 for c in cached)
 
 
-def test_hot_system_prompt_under_load_is_spread(duet):
+def test_hot_system_prompt_under_load_is_spread(duet, new_router):
     """A burst on one hot prefix reaches both replicas. How far it spreads is the
     policy's, given the load it sees (tests/unit/test_router_decisions.py and
     test_router_cost.py check the shares exactly); here the state is real and only
     "never all on one replica" is timing-free."""
 
     async def run():
-        h = prefill_handle()
+        h = new_router()
         first = await prefill_direct(h, SYSTEM + prompt(40, 1))
         _wait_indexed(duet, SYSTEM, _replica(first))
         results = await asyncio.gather(*(prefill_direct(h, SYSTEM + prompt(60, 1000 + i)) for i in range(40)))
@@ -133,13 +142,13 @@ def test_hot_system_prompt_under_load_is_spread(duet):
     assert len(counts) == 2, counts
 
 
-def test_a_restarted_router_keeps_routing_by_prefix(duet):
+def test_a_restarted_router_keeps_routing_by_prefix(duet, new_router):
     """A new process (a Ray task) has a brand-new router: the Redis index is all it knows."""
     import ray
 
     async def seed():
         base = prompt(256, 555)
-        r = await prefill_direct(prefill_handle(), base + prompt(20, 556))
+        r = await prefill_direct(new_router(), base + prompt(20, 556))
         _wait_indexed(duet, base, _replica(r))
         return base, _replica(r)
 
@@ -177,11 +186,12 @@ def test_a_restarted_router_keeps_routing_by_prefix(duet):
     assert chosen == [holder] * 3
 
 
-def test_removing_a_replica_clears_its_entries(deployer, duet):
+def test_removing_a_replica_clears_its_entries(deployer, duet, new_router):
+    """The driver's router was running before the resize: it sees the replica leave."""
     index = _index(duet)
+    h = new_router()
 
     async def seed():
-        h = prefill_handle()
         return [_replica(await prefill_direct(h, prompt(200, 900 + i))) for i in range(6)]
 
     holders = set(asyncio.run(seed()))
@@ -189,11 +199,11 @@ def test_removing_a_replica_clears_its_entries(deployer, duet):
     before = index.replicas()
     deployer("kv-routing", {"prefill.replicas": 1})  # returns once only the one replica runs
 
-    async def touch():  # the driver's router sees the new replica set
-        await prefill_direct(prefill_handle(), prompt(40, 4242))
+    async def touch():  # the router sees the new replica set
+        await prefill_direct(h, prompt(40, 4242))
 
     async def current():
-        return (await prefill_handle().stats.remote())["replica_id"]
+        return (await h.stats.remote())["replica_id"]
 
     # Resizing drains one replica and keeps the other (cluster/serve_config.py); every
     # one that left must be gone from the index.

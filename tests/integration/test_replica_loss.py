@@ -151,6 +151,8 @@ def test_scaling_down_drains_the_replica_it_stops(deployer, duet):
     # Drained, not lost: the gateway migrated neither stream.
     assert gateway_counter(smaller, "duet_migrations_total") == migrations
     assert not _logged_migrations(set(ids.values()))
+    # Serve counts a replica stopped once it asked Ray to kill it; the actor may linger.
+    wait_for(lambda: len(live_replicas("decode")) == 1, 30, what="one decode actor left")
     after = {pool: live_replicas(pool) for pool in ("gateway", "prefill", "decode")}
     assert after["gateway"] == before["gateway"] and after["prefill"] == before["prefill"]
     assert len(after["decode"]) == 1 and after["decode"] < before["decode"]

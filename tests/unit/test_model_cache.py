@@ -28,13 +28,21 @@ def ckpt():
 
 def test_weights_from_the_converted_copy_equal_the_gguf(cache, ckpt):
     cfg, from_gguf = load_checkpoint(ckpt, torch.float32)  # miss: converts, writes
-    assert model_cache.cached_part(ckpt.path, ckpt.model_id, "weights") is not None
+    part = model_cache.cached_part(ckpt.path, ckpt.model_id, "weights")
+    assert part is not None
     cfg2, from_copy = load_checkpoint(ckpt, torch.float32)  # hit
     assert cfg2 == cfg
     assert from_copy.keys() == from_gguf.keys()
     assert all(torch.equal(from_copy[k], from_gguf[k]) for k in from_gguf)
     half = load_checkpoint(ckpt, torch.bfloat16)[1]  # any dtype converts from the float32 copy
     assert all(half[k].dtype == torch.bfloat16 and torch.equal(half[k], from_gguf[k].bfloat16()) for k in from_gguf)
+
+    # A copy truncated (a crash before the data reached the disk) is removed and rewritten.
+    weights = part / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: 1 << 20])
+    cfg3, again = load_checkpoint(ckpt, torch.float32)
+    assert cfg3 == cfg and all(torch.equal(again[k], from_gguf[k]) for k in from_gguf)
+    assert (part / "model.safetensors").stat().st_size > 1 << 20
 
 
 def test_tokenizer_from_the_converted_copy_tokenizes_as_the_gguf(cache, ckpt):
@@ -76,6 +84,40 @@ def test_an_edited_checkpoint_misses(cache, tmp_path):
     assert model_cache.cached_part(src, "m", "weights") is not None
     src.write_bytes(b"xy")
     assert model_cache.cached_part(src, "m", "weights") is None
+
+
+def test_a_changed_conversion_misses(cache, tmp_path, monkeypatch):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+    model_cache.store_part(src, "m", "weights", _write("old"))
+    monkeypatch.setattr(model_cache, "_converter_fingerprint", lambda: "another conversion")
+    assert model_cache.cached_part(src, "m", "weights") is None
+
+
+def test_a_failing_writer_leaves_nothing_and_raises_nothing(cache, tmp_path):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+
+    def fails(directory: Path) -> None:
+        (directory / "half").write_text("x")
+        raise ValueError("disk full")
+
+    assert model_cache.store_part(src, "m", "weights", fails) is None
+    entry = model_cache.entry_dir(src, "m")
+    assert entry is not None and list(entry.iterdir()) == []
+
+
+def test_temporary_parts_of_dead_writers_are_removed(cache, tmp_path):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+    entry = model_cache.entry_dir(src, "m")
+    assert entry is not None
+    abandoned = entry / ".weights-dead"
+    abandoned.mkdir(parents=True)
+    old = abandoned.stat().st_mtime - 2 * model_cache._ABANDONED_S
+    os.utime(abandoned, (old, old))
+    model_cache.store_part(src, "m", "tokenizer", _write("x"))
+    assert sorted(p.name for p in entry.iterdir()) == ["tokenizer"]
 
 
 def test_off_or_unwritable_cache_only_costs_the_conversion(tmp_path, monkeypatch):
