@@ -36,7 +36,7 @@ def test_fuzzing_the_openapi_schema_finds_no_server_error(duet, tmp_path):
         "--phases", "examples,coverage,fuzzing",
         "--max-examples", str(EXAMPLES),
         "--seed", "0",
-        "--workers", "2",
+        "--workers", "4",
         "--request-timeout", str(REQUEST_TIMEOUT_S),
         "--generation-database", "none",
         "--no-color",
