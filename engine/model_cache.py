@@ -12,8 +12,9 @@ The first process to parse a GGUF writes what it parsed under the cache director
 
 Later starts read those: the tokenizer from its JSON (~0.2 s), the weights from
 safetensors (dequantized already, float32, so any dtype converts from them exactly as
-from the GGUF; 4 bytes a parameter: ~0.5 GiB for the embedded model, ~8x a 4-bit
-GGUF's size for any other). The key hashes the GGUF's resolved path, size and
+from the GGUF; 4 bytes a parameter: 0.5 GiB for the embedded model, 5.5x its 4-bit
+GGUF). Writing an entry removes the same model's entries of other keys that nobody
+wrote for an hour. The key hashes the GGUF's resolved path, size and
 modification time, the source of the modules that convert (engine/weights.py,
 engine/tokenizer.py, this one) and the versions of the libraries they use: an edited
 file, a changed conversion or an upgraded library misses instead of reading stale
@@ -35,9 +36,11 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,25 +90,32 @@ def entry_dir(gguf_path: Path, model_id: str) -> Path | None:
 
 
 def cached_part(gguf_path: Path, model_id: str, part: str) -> Path | None:
-    """`part` ("weights", "tokenizer") of the converted copy, if it was written."""
-    entry = entry_dir(gguf_path, model_id)
-    if entry is None:
+    """`part` ("weights", "tokenizer") of the converted copy, if it was written and
+    can be reached (a cache this process may not read is no cache)."""
+    try:
+        entry = entry_dir(gguf_path, model_id)
+        if entry is None:
+            return None
+        path = entry / part
+        return path if path.is_dir() else None
+    except Exception as exc:  # no home directory, a root this user may not traverse
+        log.warning("model cache: cannot look up %s (%s); converting", part, exc)
         return None
-    path = entry / part
-    return path if path.is_dir() else None
 
 
 def store_part(gguf_path: Path, model_id: str, part: str, write: Callable[[Path], object]) -> Path | None:
     """Write `part` with `write(directory)` and move it into place; the part's path,
     or None when the cache is off or the part could not be written (logged)."""
-    entry = entry_dir(gguf_path, model_id)
-    if entry is None:
-        return None
-    final = entry / part
+    final: Path | None = None
     tmp: Path | None = None
     try:
+        entry = entry_dir(gguf_path, model_id)
+        if entry is None:
+            return None
+        final = entry / part
         entry.mkdir(parents=True, exist_ok=True)
         _remove_abandoned(entry)
+        _remove_superseded(entry, model_id)
         tmp = Path(tempfile.mkdtemp(prefix=f".{part}-", dir=entry))
         write(tmp)
         _fsync_tree(tmp)
@@ -115,8 +125,8 @@ def store_part(gguf_path: Path, model_id: str, part: str, write: Callable[[Path]
         _fsync_dir(entry)
         log.info("model cache: wrote %s", final)
     except Exception as exc:  # a full disk, a read-only home, a writer that failed
-        if not final.is_dir():
-            log.warning("model cache: could not write %s (%s); the next start converts again", final, exc)
+        if final is None or not _is_dir(final):
+            log.warning("model cache: could not write %s (%s); the next start converts again", final or part, exc)
             return None
     finally:
         if tmp is not None:
@@ -127,12 +137,32 @@ def store_part(gguf_path: Path, model_id: str, part: str, write: Callable[[Path]
 def discard_part(path: Path, exc: Exception) -> None:
     """Remove a part that could not be read, so the next start writes it again."""
     log.warning("model cache: %s is unreadable (%s); converting again", path, exc)
-    trash = path.with_name(f".{path.name}-unreadable-{os.getpid()}")
+    trash = path.with_name(f".{path.name}-unreadable-{uuid.uuid4().hex}")
     try:
         os.rename(path, trash)  # atomic: no reader sees it half-removed
     except OSError:
         return
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
+def _remove_superseded(entry: Path, model_id: str) -> None:
+    """Remove this model's entries of other keys (an older conversion, library or
+    file) untouched for an hour: each is ~4 bytes a parameter."""
+    name = re.compile(rf"{re.escape(model_id)}-[0-9a-f]{{16}}")
+    now = time.time()
+    for p in entry.parent.iterdir():
+        try:
+            if p != entry and name.fullmatch(p.name) and now - p.stat().st_mtime > _ABANDONED_S:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _remove_abandoned(entry: Path) -> None:

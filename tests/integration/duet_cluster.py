@@ -241,7 +241,8 @@ class Deployer:
         from cluster.serve_cli import wait_ready
         from cluster.serve_config import deploy, without_fixed_sizes
 
-        resize_only = self.current is not None and without_fixed_sizes(self.current.cfg) == without_fixed_sizes(cfg)
+        resize_only = (self.current is not None and self._untouched()
+                       and without_fixed_sizes(self.current.cfg) == without_fixed_sizes(cfg))
         self.current = None
         drop_cached_handles()
         if cfg.cache.disk_path and not resize_only:  # new replicas start with an empty disk tier

@@ -120,6 +120,22 @@ def test_temporary_parts_of_dead_writers_are_removed(cache, tmp_path):
     assert sorted(p.name for p in entry.iterdir()) == ["tokenizer"]
 
 
+def test_writing_an_entry_removes_the_models_superseded_ones(cache, tmp_path):
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+    entry = model_cache.entry_dir(src, "m")
+    assert entry is not None
+    stale, recent, other_model = (cache / "m-0123456789abcdef", cache / "m-fedcba9876543210",
+                                  cache / "m-v2-0123456789abcdef")
+    for d in (stale, recent, other_model):
+        (d / "weights").mkdir(parents=True)
+    old = stale.stat().st_mtime - 2 * model_cache._ABANDONED_S
+    for d in (stale, other_model):
+        os.utime(d, (old, old))
+    model_cache.store_part(src, "m", "weights", _write("x"))
+    assert sorted(p.name for p in cache.iterdir()) == sorted([entry.name, recent.name, other_model.name])
+
+
 def test_off_or_unwritable_cache_only_costs_the_conversion(tmp_path, monkeypatch):
     src = tmp_path / "m.gguf"
     src.write_bytes(b"x")
