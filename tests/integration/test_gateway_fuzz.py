@@ -36,7 +36,7 @@ def test_fuzzing_the_openapi_schema_finds_no_server_error(duet, tmp_path):
         "--phases", "examples,coverage,fuzzing",
         "--max-examples", str(EXAMPLES),
         "--seed", "0",
-        "--workers", "4",
+        "--workers", "2",  # more threads hit a CPython 3.11 AST race inside Hypothesis (SystemError)
         "--request-timeout", str(REQUEST_TIMEOUT_S),
         "--generation-database", "none",
         "--no-color",
