@@ -24,7 +24,7 @@ Each part is written and fsynced in a temporary directory beside its final place
 renamed into it, so concurrent first starts each convert, one rename wins, and nobody
 reads a half-written part. The cache never stops a start: a part that cannot be
 written only costs the conversion, and one that cannot be read is removed and
-converted again (the callers do that with `discard_part`). The directory is
+converted again (`load_or_convert`). The directory is
 ``$DUET_MODEL_CACHE``, else ``~/.cache/duet/models``; ``DUET_MODEL_CACHE=off``
 disables the cache.
 """
@@ -43,8 +43,10 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Bump when the layout of what is written changes.
 FORMAT = 1
@@ -132,6 +134,23 @@ def store_part(gguf_path: Path, model_id: str, part: str, write: Callable[[Path]
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def load_or_convert(
+    gguf_path: Path, model_id: str, part: str, read: Callable[[Path], T], convert: Callable[[], T],
+    write: Callable[[T, Path], object],
+) -> T:
+    """`read(path)` of the cached `part`; on a miss, or a part `read` fails on (then
+    removed), `convert()` and store the result with `write(result, directory)`."""
+    path = cached_part(gguf_path, model_id, part)
+    if path is not None:
+        try:
+            return read(path)
+        except Exception as exc:  # truncated by a crash, written by another layout
+            discard_part(path, exc)
+    value = convert()
+    store_part(gguf_path, model_id, part, lambda d: write(value, d))
+    return value
 
 
 def discard_part(path: Path, exc: Exception) -> None:

@@ -51,15 +51,12 @@ def _gguf_tokenizer(ckpt: Checkpoint):
     from the GGUF's metadata takes ~5 s, reading the saved one ~0.2 s."""
     from transformers import AutoTokenizer
 
-    part = model_cache.cached_part(ckpt.path, ckpt.model_id, "tokenizer")
-    if part is not None:
-        try:
-            return AutoTokenizer.from_pretrained(str(part))
-        except Exception as exc:
-            model_cache.discard_part(part, exc)
-    hf = AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name)
-    model_cache.store_part(ckpt.path, ckpt.model_id, "tokenizer", lambda d: _save_checked(hf, d))
-    return hf
+    return model_cache.load_or_convert(
+        ckpt.path, ckpt.model_id, "tokenizer",
+        lambda part: AutoTokenizer.from_pretrained(str(part)),
+        lambda: AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name),
+        _save_checked,
+    )
 
 
 # Text whose ids must not change between the GGUF's tokenizer and its saved copy:

@@ -122,21 +122,16 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 def _load_gguf(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """From the converted copy (engine/model_cache.py) when there is one, else from
     the GGUF, leaving a converted copy for the next start."""
-    part = model_cache.cached_part(ckpt.path, ckpt.model_id, "weights")
-    if part is not None:
-        try:
-            cfg, state = _read_converted(part)
-        except Exception as exc:  # truncated by a crash, written by another layout
-            model_cache.discard_part(part, exc)
-            part = None
-    if part is None:
-        cfg, state = _dequantize_gguf(ckpt)
-        model_cache.store_part(ckpt.path, ckpt.model_id, "weights", lambda d: _write_converted(d, cfg, state))
+    cfg, state = model_cache.load_or_convert(
+        ckpt.path, ckpt.model_id, "weights", _read_converted, lambda: _dequantize_gguf(ckpt), _write_converted
+    )
     return cfg, {k: v.to(dtype) for k, v in state.items()}
 
 
-def _write_converted(directory: Path, cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+def _write_converted(converted: tuple[ModelConfig, dict[str, torch.Tensor]], directory: Path) -> None:
     from safetensors.torch import save_file
+
+    cfg, state = converted
 
     (directory / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     save_file(state, os.fspath(directory / "model.safetensors"))
