@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 APP_NAME = "duet"
 PORT = 8765
 BLOCK_SIZE = 16
+# How long a test waits for a replica's stats() (a healthy call takes milliseconds).
+STATS_TIMEOUT_S = 15
 NUM_KV_BLOCKS = 256
 # SmolLM2-135M fp32: layers x (K, V) x block_size x kv_heads x head_dim x 4 bytes.
 BYTES_PER_BLOCK = 30 * 2 * BLOCK_SIZE * 3 * 64 * 4
@@ -243,6 +245,8 @@ class Deployer:
 
         resize_only = (self.current is not None and self._untouched()
                        and without_fixed_sizes(self.current.cfg) == without_fixed_sizes(cfg))
+        if self.current is not None:
+            self.current.close()
         self.current = None
         drop_cached_handles()
         if cfg.cache.disk_path and not resize_only:  # new replicas start with an empty disk tier
@@ -295,6 +299,39 @@ def fresh_handle(deployment: str):
     return DeploymentHandle(deployment, APP_NAME)
 
 
+def describe_router(handle) -> str:
+    """What a driver-side handle's router knows (Serve internals, best effort): whether
+    its request router is built, the replicas it routes to, the requests waiting to be
+    placed, and where its event loop thread is, for a post-mortem of a call that was
+    never placed."""
+    import sys
+    import threading
+    import traceback
+
+    parts: list[str] = []
+    try:
+        router = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
+        if router is None:
+            return "no router built"
+        request_router = router._request_router
+        parts.append(f"request router built={router._request_router_initialized.is_set()}")
+        parts.append(f"deployment available={router._deployment_available}")
+        if request_router is not None:
+            parts.append(f"replicas={sorted(str(r) for r in request_router._replica_id_set)}")
+            parts.append(f"waiting to be placed={len(request_router._pending_requests_to_fulfill)}")
+            parts.append(f"routing tasks={len(request_router._routing_tasks)}")
+        loop_thread = getattr(router._event_loop, "_thread_id", None)
+        frame = sys._current_frames().get(loop_thread) if loop_thread else None
+        if frame is not None:
+            parts.append("loop thread at: " + " <- ".join(
+                f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})"
+                for f in reversed(traceback.extract_stack(frame)[-6:])))
+        parts.append(f"threads={len(threading.enumerate())}")
+    except Exception as e:  # a diagnostic must not hide the failure it describes
+        parts.append(f"(could not read more: {e!r})")
+    return "; ".join(parts)
+
+
 def _app_details() -> dict | None:
     """Serve's details of the duet app (None if absent)."""
     from ray.serve.context import _get_global_client
@@ -316,16 +353,30 @@ class Duet:
         return f"{self.url}/v1"
 
     def handle(self, deployment: str):
-        """One handle per deployment for the app's life: a new handle sets up its
-        router on its first call, which makes polling loops slow."""
+        """One handle per deployment for the app's life, owned by this object (not the
+        client's cache): a new handle sets up its router on its first call, which makes
+        polling loops slow."""
         if deployment not in self._handles:
-            from ray import serve
-
-            self._handles[deployment] = serve.get_deployment_handle(deployment, app_name=APP_NAME)
+            self._handles[deployment] = fresh_handle(deployment)
         return self._handles[deployment]
 
     def stats(self, deployment: str) -> dict:
-        return self.handle(deployment).stats.remote().result(timeout_s=30)
+        """One replica's `stats()`. A call the handle cannot place on a replica within
+        the timeout raises with the handle's router state, and the next call uses a new
+        handle (a new router), so a router stuck in this driver costs one timeout."""
+        handle = self.handle(deployment)
+        try:
+            return handle.stats.remote().result(timeout_s=STATS_TIMEOUT_S)
+        except TimeoutError as e:
+            self._handles.pop(deployment, None)
+            raise TimeoutError(f"{deployment}.stats() unanswered after {STATS_TIMEOUT_S} s ({e}); "
+                               f"this driver's router: {describe_router(handle)}") from None
+
+    def close(self) -> None:
+        """Shut down this object's handles."""
+        for handle in self._handles.values():
+            handle.shutdown()
+        self._handles.clear()
 
     def pool_names(self) -> list[str]:
         return list(self.cfg.pools())

@@ -24,6 +24,7 @@ from duet_cluster import (
     CHAOS_REQUEST_TIMEOUT_S,
     gateway_counter,
     kill_replica,
+    live_replicas,
     wait_baseline,
     wait_for,
     wait_replicas,
@@ -54,7 +55,7 @@ def _kill_busy(duet, pool: str) -> str:
     try:
         victim = wait_for(busy, 20, interval=0.05, what=f"a busy {pool} replica")
     except AssertionError:
-        victim = seen[-1]
+        victim = seen[-1] if seen else sorted(live_replicas(pool))[0]
     kill_replica(victim)
     return victim
 
