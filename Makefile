@@ -5,7 +5,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: setup demo test test-unit test-integration lint bench
+.PHONY: setup demo test test-unit test-integration lint bench image image-test
 
 $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -27,3 +27,11 @@ test-unit: setup
 
 bench: setup
 	$(VENV)/bin/duet bench engine --json out/bench_engine.json
+
+# The image the Helm chart runs (deploy/Containerfile); TORCH_VARIANT=cuda for the GPU one.
+image:
+	bash scripts/image.sh
+
+# Boots it here (root): `duet serve` from its file system, and three namespace nodes.
+image-test: setup image
+	$(PY) -m pytest -m image -q -p no:cacheprovider tests/image
