@@ -39,6 +39,7 @@ from helm_chart import (  # noqa: E402
     serve_config_v2,
     validate_object,
 )
+from kuberay_rules import rayservice_errors  # noqa: E402
 
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.pools import NODE_GROUP_UNITS, node_group_resource  # noqa: E402
@@ -115,6 +116,38 @@ def test_the_validators_reject_what_the_api_would():
     pod_monitor["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
     with pytest.raises(jsonschema.ValidationError, match="intervall"):
         validate_object(pod_monitor)
+
+
+@pytest.mark.parametrize("values", CASES)
+def test_the_rayservice_passes_the_operators_own_checks(values):
+    """What KubeRay's Go validation refuses after the CRD schema accepted it."""
+    assert rayservice_errors(rayservice(render(values))) == []
+
+
+def test_the_operators_checks_reject_what_the_operator_would():
+    ray = rayservice(render(CHART / "examples" / "autoscaling.yaml"))
+
+    def errors(change) -> list[str]:
+        broken = copy.deepcopy(ray)
+        change(broken)
+        return rayservice_errors(broken)
+
+    cluster = lambda r: r["spec"]["rayClusterConfig"]  # noqa: E731
+    head = lambda r: cluster(r)["headGroupSpec"]  # noqa: E731
+    assert errors(lambda r: r["metadata"].update(name="x" * 48))
+    assert errors(lambda r: r["metadata"].update(name="Duet_1"))
+    assert errors(lambda r: r["metadata"].update(annotations={"ray.io/initializing-timeout": "soon"}))
+    assert errors(lambda r: head(r).update(resources={"CPU": "1"}))
+    assert errors(lambda r: cluster(r)["workerGroupSpecs"][0]["rayStartParams"].update(labels="a=b"))
+    assert errors(lambda r: cluster(r)["workerGroupSpecs"][0].update(labels={"bad key!": "x"}))
+    assert errors(lambda r: head(r)["template"]["spec"]["containers"][0].setdefault("env", []).append(
+        {"name": "RAY_REDIS_ADDRESS", "value": "redis:6379"}))
+    assert errors(lambda r: cluster(r)["workerGroupSpecs"][0].update(suspend=True))
+    assert errors(lambda r: r["spec"].update(upgradeStrategy={"type": "Rolling"}))
+    assert errors(lambda r: r["spec"].update(rayClusterDeletionDelaySeconds=-1))
+    assert errors(lambda r: head(r).update(headService={"metadata": {"name": "mine"}}))
+    assert errors(lambda r: cluster(r).update(authOptions={"mode": "token"}, rayVersion="2.51.0"))
+    assert errors(lambda r: r["spec"].update(upgradeStrategy={"type": "NewClusterWithIncrementalUpgrade"}))
 
 
 def test_the_monitors_select_the_ray_pods_and_the_gateway_service():
