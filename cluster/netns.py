@@ -13,6 +13,10 @@ shared-memory transport unless a backend is told it may use one (NIXL is given
 
 Processes in a namespace are found with `ip netns pids` (network namespaces do not
 separate PIDs), which is how one node is killed without touching the others.
+
+With `rootfs` set (a container image's file system, mounted, with /proc, /sys and
+/dev inside), every node runs `chroot`ed into it as the image's user: the image's
+own Python, Ray and duet, as the pods of the Helm chart would, not this environment's.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ RAY_PORT = 6380
 METRICS_PORT = 8080
 # Replicas report metrics every second (Ray's default is 10 s).
 SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000}
+# Where the image (deploy/Containerfile) has its virtual environment.
+IMAGE_VENV = "/home/ray/venv"
 NODE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONHASHSEED": "0",
             "HF_HUB_OFFLINE": "1"}
 
@@ -49,6 +55,10 @@ class NodeSpec:
     node_groups: tuple[str, ...] = ()
     num_cpus: float = 1.0
     head: bool = False
+    # `ray start` flags as a RayService's rayStartParams give them ((key, value) pairs,
+    # values as Ray reads them): used in place of the flags made from the fields above,
+    # to start a node with the Helm chart's own command line.
+    ray_start_params: tuple[tuple[str, str], ...] = ()
 
 
 # The layout of docs/deploy.md and the multi-node tests: one node per role.
@@ -66,6 +76,8 @@ class NamespaceCluster:
     subnet: str = "10.77.0"  # a /24: the bridge is .1, nodes .10 up
     object_store_bytes: int = 128 << 20
     env: dict[str, str] = field(default_factory=dict)
+    rootfs: Path | None = None  # run the nodes from this file system (an image's)
+    rootfs_user: str = "1000:100"  # uid:gid inside it (the image's `ray` user)
 
     def __post_init__(self) -> None:
         heads = [n for n in self.nodes if n.head]
@@ -100,8 +112,32 @@ class NamespaceCluster:
         return f"{self.ip(self.head.name)}:{RAY_PORT}"
 
     def in_netns(self, node: str, argv: Sequence[str]) -> list[str]:
-        """`argv` run inside `node`'s namespace."""
-        return ["ip", "netns", "exec", self.netns(node), *argv]
+        """`argv` run inside `node`'s namespace (and, with `rootfs`, chrooted into it)."""
+        return [shutil.which("ip") or "ip", "netns", "exec", self.netns(node), *self.chroot_argv(argv)]
+
+    def chroot_argv(self, argv: Sequence[str]) -> list[str]:
+        """`argv` as run in the cluster's file system: chrooted into `rootfs` as its
+        user (`chroot` found on this host's PATH: the node's is the image's), or as is."""
+        if self.rootfs is None:
+            return list(argv)
+        return [shutil.which("chroot") or "/usr/sbin/chroot", f"--userspec={self.rootfs_user}", str(self.rootfs),
+                *argv]
+
+    def node_env(self) -> dict[str, str]:
+        """The environment of a node's processes. From an image's file system: the
+        image's PATH and home, nothing of this environment's (its venv is not there)."""
+        if self.rootfs is None:
+            return {**os.environ, **NODE_ENV, **self.env}
+        image = {"PATH": f"{IMAGE_VENV}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/home/ray",
+                 "VIRTUAL_ENV": IMAGE_VENV, "LANG": "C.UTF-8"}
+        return {**image, **NODE_ENV, **self.env}
+
+    def executable(self, name: str) -> str:
+        """`python`, `ray` or `duet` as a node runs it."""
+        if self.rootfs is not None:
+            return f"{IMAGE_VENV}/bin/{name}"
+        here = Path(sys.executable).parent / name
+        return str(here) if here.exists() else name
 
     def metrics_url(self, node: str) -> str:
         return f"http://{self.ip(node)}:{METRICS_PORT}/metrics"
@@ -140,11 +176,12 @@ class NamespaceCluster:
     # -- Ray nodes ---------------------------------------------------------------
 
     def ray_start_argv(self, n: NodeSpec) -> list[str]:
-        argv = [_ray(), "start", "--node-ip-address", self.ip(n.name), "--num-cpus", f"{n.num_cpus:g}",
-                "--object-store-memory", str(self.object_store_bytes), "--metrics-export-port", str(METRICS_PORT),
-                "--disable-usage-stats"]
-        if n.node_groups:
-            argv += ["--resources", json.dumps(node_resources(n.node_groups))]
+        argv = [self.executable("ray"), "start", "--node-ip-address", self.ip(n.name),
+                "--object-store-memory", str(self.object_store_bytes), "--disable-usage-stats"]
+        params = dict(n.ray_start_params) or {"num-cpus": f"{n.num_cpus:g}", "metrics-export-port": str(METRICS_PORT)}
+        if n.node_groups and not n.ray_start_params:
+            params["resources"] = json.dumps(node_resources(n.node_groups))
+        argv += [f"--{key}={value}" for key, value in params.items()]
         if n.head:
             argv += ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false",
                      "--system-config", json.dumps(SYSTEM_CONFIG)]
@@ -154,9 +191,8 @@ class NamespaceCluster:
 
     def start_node(self, node: str, timeout_s: float = 120.0) -> None:
         n = self.nodes[self._index[node]]
-        env = {**os.environ, **NODE_ENV, **self.env}
-        out = subprocess.run(self.in_netns(node, self.ray_start_argv(n)), env=env, capture_output=True, text=True,
-                             timeout=timeout_s)
+        out = subprocess.run(self.in_netns(node, self.ray_start_argv(n)), env=self.node_env(), capture_output=True,
+                             text=True, timeout=timeout_s)
         if out.returncode != 0:
             raise RuntimeError(f"ray start on {node} failed ({out.returncode}): {out.stderr[-2000:]}")
 
@@ -174,8 +210,8 @@ class NamespaceCluster:
         """IPs of the nodes Ray's GCS lists as alive (asked from inside the head namespace)."""
         code = ("import json, ray; ray.init(address='auto', logging_level='ERROR');"
                 "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]))")
-        out = subprocess.run(self.in_netns(self.head.name, [sys.executable, "-c", code]),
-                             env={**os.environ, **NODE_ENV, "RAY_ADDRESS": self.address},
+        out = subprocess.run(self.in_netns(self.head.name, [self.executable("python"), "-c", code]),
+                             env={**self.node_env(), "RAY_ADDRESS": self.address},
                              capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-1000:])
@@ -262,12 +298,6 @@ def _ip(*args: str) -> None:
     out = subprocess.run(["ip", *args], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
-
-
-def _ray() -> str:
-    """The `ray` script of this Python environment."""
-    here = Path(sys.executable).parent / "ray"
-    return str(here) if here.exists() else "ray"
 
 
 def _kill(pid: int) -> None:

@@ -134,6 +134,23 @@ def ray_start_resources(group: dict) -> dict[str, float]:
     return json.loads(text.strip("'\"` ")) if text else {}
 
 
+def namespace_nodes(objects: list[dict]) -> tuple:
+    """One namespace-cluster node (cluster/netns.py) per Ray pod group of the rendered
+    RayService, started with that group's own rayStartParams, shell quotes off as the
+    pod's shell takes them off. The duet node groups a node offers are its `duet/*`
+    resources."""
+    import shlex
+
+    from cluster.netns import NodeSpec
+
+    nodes = []
+    for name, group in ray_pod_groups(objects).items():
+        params = tuple((k, " ".join(shlex.split(str(v)))) for k, v in group["rayStartParams"].items())
+        groups = tuple(r.removeprefix("duet/") for r in ray_start_resources(group) if r.startswith("duet/"))
+        nodes.append(NodeSpec(name, groups, head=name == "head", ray_start_params=params))
+    return tuple(nodes)
+
+
 def _closed(schema: Any) -> Any:
     """The CRD schema with unknown fields rejected. The API server drops them
     (pruning) or refuses them (kubectl's strict field validation); either way a

@@ -6,8 +6,10 @@ validation.go: `ValidateRayServiceMetadata`, `ValidateRayServiceSpec`, which cal
 passes the CRD's schema but fails one of them is accepted by the API server and then
 never becomes a cluster: the operator only records an event. These are those rules,
 restated over the rendered object (a dict), so the chart tests catch what only a real
-operator would. Rules that concern RayJob or features the chart never renders are
-left out; `unchecked` names them.
+operator would. Read from KubeRay's main branch late in 2026 (commit 0074504f), a
+little newer than the v1.7.0 CRD in tests/data/kuberay/: a rule added since v1.7.0
+refuses more, never less. Rules that concern RayJob or features the chart never
+renders are left out; `unchecked` names them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ the head's namespace, and reading each node's own metrics."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -39,14 +38,15 @@ def cluster_config(mn: netns.NamespaceCluster, redis_url: str, backend: str) -> 
 
 
 class DuetServe:
-    """`duet serve --address` in the head's namespace, in the background."""
+    """`duet serve --address` in the head's namespace, in the background (from the
+    cluster's image when it runs from one: then file arguments must be paths inside it)."""
 
     def __init__(self, mn: netns.NamespaceCluster, args: list[str], log: Path):
         self.mn, self.log = mn, log
         self.url = f"http://{mn.ip(mn.head.name)}:{HTTP_PORT}"
-        argv = [sys.executable, "-m", "cluster.cli", "serve", "--address", mn.address, *args]
-        env = {**os.environ, **netns.NODE_ENV}
-        self.proc = subprocess.Popen(mn.in_netns(mn.head.name, argv), cwd=REPO, env=env,
+        duet = [mn.executable("duet")] if mn.rootfs else [sys.executable, "-m", "cluster.cli"]
+        argv = [*duet, "serve", "--address", mn.address, *args]
+        self.proc = subprocess.Popen(mn.in_netns(mn.head.name, argv), cwd=mn.rootfs or REPO, env=mn.node_env(),
                                      stdout=log.open("w"), stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
