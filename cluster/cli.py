@@ -25,6 +25,7 @@ BENCH_TARGETS: dict[str, str] = {
     "tracing": "bench.tracing",
     "autoscale": "bench.autoscale",
     "startup": "bench.startup",
+    "grammar": "bench.grammar",
 }
 
 

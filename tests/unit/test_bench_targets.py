@@ -10,7 +10,8 @@ from cluster import cli
 pytestmark = pytest.mark.unit
 
 # The targets docs/benchmarks.md and the README name; none may go missing.
-DOCUMENTED = {"engine", "profile", "serve", "efficiency", "kv", "cluster", "routing", "tracing", "autoscale", "startup"}
+DOCUMENTED = {"engine", "profile", "serve", "efficiency", "kv", "cluster", "routing", "tracing", "autoscale", "startup",
+              "grammar"}
 
 
 def test_each_target_is_the_bench_module_of_its_name():
