@@ -19,6 +19,7 @@ import random
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from urllib.parse import urlparse
 from cluster.config import ClusterConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
+log = logging.getLogger("duet.tests")
 APP_NAME = "duet"
 PORT = 8765
 BLOCK_SIZE = 16
@@ -288,7 +290,22 @@ def drop_cached_handles() -> None:
     that config's policy and prefix index."""
     from ray.serve.context import _get_global_client
 
-    _get_global_client().shutdown_cached_handles()
+    client = _get_global_client()
+    shut_down(list(client.handle_cache.values()))
+    client.handle_cache.clear()
+
+
+def shut_down(handles: list) -> None:
+    """Shut handles down, waiting at most a few seconds: `shutdown()` waits on the
+    router's event loop, and a test must not hang on a router that is stuck (it is
+    dropped either way)."""
+    if not handles:
+        return
+    done = threading.Thread(target=lambda: [h.shutdown() for h in handles], name="shut-down-handles", daemon=True)
+    done.start()
+    done.join(timeout=10)
+    if done.is_alive():
+        log.warning("handle shutdown still waiting after 10 s; dropped")
 
 
 def fresh_handle(deployment: str):
@@ -374,8 +391,7 @@ class Duet:
 
     def close(self) -> None:
         """Shut down this object's handles."""
-        for handle in self._handles.values():
-            handle.shutdown()
+        shut_down(list(self._handles.values()))
         self._handles.clear()
 
     def pool_names(self) -> list[str]:

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 
 import pytest
-from duet_cluster import APP_NAME, Duet, fresh_handle, prompt, wait_for
+from duet_cluster import APP_NAME, Duet, fresh_handle, prompt, shut_down, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster("kv-routing")]
 
@@ -32,8 +32,7 @@ def new_router():
         return handles[-1]
 
     yield make
-    for h in handles:
-        h.shutdown()
+    shut_down(handles)
 
 
 async def prefill_direct(handle, ids: list[int]):
