@@ -19,7 +19,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3}
+# scripts/pins.py needs Python 3.11+ (tomllib): the project's venv if there is one.
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 pin() { "$PY" scripts/pins.py "$1"; }
 VERSION=$(pin version)
 TORCH=$(pin torch)
