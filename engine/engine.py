@@ -166,6 +166,7 @@ class Engine:
     ) -> str:
         sampling = sampling or SamplingParams()
         sampling.validate()
+        sampling.check_vocab(self.model_config.vocab_size)
         ids = self.tokenize_prompt(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests or request_id in self._detoks:
@@ -218,6 +219,7 @@ class Engine:
         step computes the first token's KV and samples the second. `block_ids=None`
         means the import failed: recompute the prompt here (counted by the caller)."""
         sampling.validate()
+        sampling.check_vocab(self.model_config.vocab_size)
         self.validate_prompt(prompt_token_ids)
         req = Request(request_id, list(prompt_token_ids), sampling)
         req.token_ids.append(first_token)

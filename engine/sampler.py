@@ -1,7 +1,8 @@
 """Batched sampling on the engine's device.
 
-Greedy rows take the argmax; the others apply penalties, temperature, top-k and
-top-p, then draw with the exponential race (argmax of p / Exp(1)), which needs one
+Rows that ask for them get penalties and logit biases first. Greedy rows then take
+the argmax; the others apply temperature, top-k and top-p, then draw with the
+exponential race (argmax of p / Exp(1)), which needs one
 random tensor per step and lets a seeded request draw from its own generator.
 Logprobs are those of the model's raw distribution (before temperature), as in
 vLLM and the OpenAI API.
@@ -41,6 +42,15 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
 
 
+def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """OpenAI's logit_bias, in place, only on rows that ask for it."""
+    for i, req in enumerate(reqs):
+        bias = req.sampling.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device))
+
+
 def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k and nucleus. `top_k` <= 0 and
     `top_p` == 1 disable the respective filter for that row."""
@@ -63,9 +73,10 @@ class Sampler:
         want_logprobs = [r.sampling.logprobs is not None for r in reqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        if any(r.sampling.needs_penalties for r in reqs):
+        if any(r.sampling.needs_penalties or r.sampling.logit_bias for r in reqs):
             logits = logits.clone()
             apply_penalties(logits, reqs)
+            apply_logit_bias(logits, reqs)
 
         greedy = torch.tensor([r.sampling.greedy for r in reqs], device=device)
         chosen = logits.argmax(dim=-1)

@@ -34,6 +34,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token; 0 = only the chosen token
     include_stop_str_in_output: bool = False
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to that token's logit
+    # before sampling, greedy included (-100 all but bans it, +100 all but forces it).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +70,17 @@ class SamplingParams:
             raise InvalidRequest("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise InvalidRequest("seed", f"must be a 64-bit integer, got {self.seed!r}")
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or not all(
+            _is_int(t) and 0 <= t <= INT32_MAX and _is_finite(b) and -100 <= b <= 100 for t, b in bias.items()
+        ):
+            raise InvalidRequest("logit_bias", "must map token ids (non-negative integers) to biases in [-100, 100]")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids this request names must exist in the model's vocabulary."""
+        for name, ids in (("logit_bias", list(self.logit_bias)), ("stop_token_ids", self.stop_token_ids)):
+            if any(t >= vocab_size for t in ids):
+                raise InvalidRequest(name, f"token ids must be < {vocab_size}, the model's vocabulary size")
 
     @property
     def needs_penalties(self) -> bool:

@@ -3,8 +3,8 @@ onto the engine's SamplingParams.
 
 Requests ignore fields they do not know (clients send many, e.g. `user`, `metadata`).
 What duet cannot honour (`n` > 1, `best_of` > 1, batched prompts, `echo`, `suffix`,
-`logit_bias`, structured outputs, tool calls: `UNHONOURED`) is a 400 naming the field,
-never silently dropped.
+structured outputs, tool calls: `UNHONOURED`) is a 400 naming the field, never
+silently dropped.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ class _SamplingRequest(_Request):
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # (ext)
     ignore_eos: bool = False  # (ext)
     include_stop_str_in_output: bool = False  # (ext)
-    logit_bias: dict[str, float] | None = None
+    # Token ids (JSON object keys, so strings) -> a bias in [-100, 100].
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     user: str | None = None
     # Not honoured yet: a value that asks for anything is refused (`_not_honoured`).
     response_format: dict[str, Any] | None = None
@@ -143,9 +144,10 @@ class _SamplingRequest(_Request):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _token_id_keys(cls, v: dict | None) -> dict | None:
+        for key in v or {}:
+            if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+                raise ValueError(f"logit_bias keys are token ids (non-negative integers), got {key!r}")
         return v
 
     @field_validator(*UNHONOURED_SAMPLING)
@@ -157,10 +159,10 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
-            return SamplingParams(
+            sp = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
@@ -174,7 +176,11 @@ class _SamplingRequest(_Request):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
             )
+            if vocab_size is not None:
+                sp.check_vocab(vocab_size)
+            return sp
         except InvalidRequest as e:
             raise invalid_request(str(e), param=e.field) from e
 
@@ -226,7 +232,11 @@ class ChatCompletionRequest(_SamplingRequest):
         return [m.template_dict() for m in self.messages]
 
     def to_sampling_params(
-        self, num_prompt_tokens: int | None = None, max_model_len: int | None = None, limit: int | None = None
+        self,
+        num_prompt_tokens: int | None = None,
+        max_model_len: int | None = None,
+        limit: int | None = None,
+        vocab_size: int | None = None,
     ) -> SamplingParams:
         """Engine SamplingParams. Without max_tokens/max_completion_tokens the completion
         may use the rest of the context (at most the server's `limit`), so pass
@@ -240,7 +250,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if max_tokens is None:
             raise ValueError("chat request without max_tokens: pass num_prompt_tokens and max_model_len")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs)
+        return self._sampling(max_tokens, logprobs, vocab_size)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -291,7 +301,11 @@ class CompletionRequest(_SamplingRequest):
         return v
 
     def to_sampling_params(
-        self, num_prompt_tokens: int | None = None, max_model_len: int | None = None, limit: int | None = None
+        self,
+        num_prompt_tokens: int | None = None,
+        max_model_len: int | None = None,
+        limit: int | None = None,
+        vocab_size: int | None = None,
     ) -> SamplingParams:
         """Engine SamplingParams; max_tokens defaults to 16 as in OpenAI (or the server's
         `limit` when lower). Given num_prompt_tokens and max_model_len, an over-long
@@ -301,7 +315,7 @@ class CompletionRequest(_SamplingRequest):
             requested = COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else min(limit, COMPLETIONS_DEFAULT_MAX_TOKENS)
         max_tokens = resolve_max_tokens(requested, num_prompt_tokens, max_model_len, "prompt", limit)
         assert max_tokens is not None  # `requested` was given
-        return self._sampling(max_tokens, self.logprobs)
+        return self._sampling(max_tokens, self.logprobs, vocab_size)
 
 
 def parse_request(cls: type[_Request], body: bytes | str) -> Any:

@@ -30,8 +30,9 @@ SETUPS = [
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, tuple[str, int, str]]:
-    """(text, completion tokens, finish reason) of the single-process fp32 engine."""
+def reference() -> dict[str, tuple]:
+    """(text, completion tokens, finish reason) of the single-process fp32 engine, and
+    under "banned" (text, logit_bias) of the completion with its first token banned."""
     torch.set_num_threads(1)  # the replicas use the other core
     engine = Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=1024))
     chat_text = engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
@@ -40,6 +41,10 @@ def reference() -> dict[str, tuple[str, int, str]]:
     for kind, ids in prompts.items():
         (res,) = engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
         out[kind] = (res.text, len(res.token_ids), res.finish_reason)
+        if kind == "completion":  # the same prompt with its greedy first token banned
+            bias = {res.token_ids[0]: -100.0}
+            (banned,) = engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logit_bias=bias))
+            out["banned"] = (banned.text, bias)
     del engine
     torch.set_num_threads(1)
     return out
@@ -102,6 +107,16 @@ def test_greedy_output_matches_single_process_engine(duet, reference, setup, kin
 
 
 # ---------------------------------------------------------------- probes
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_logit_bias_is_honoured_by_prefill_and_decode(duet, reference, setup):
+    """The first token (sampled by prefill in P/D) and the rest (decode) both see it."""
+    text, bias = reference["banned"]
+    r = client(duet).completions.create(model=SMOLLM2_ID, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                        logit_bias={str(t): b for t, b in bias.items()})
+    assert r.choices[0].text == text
+    assert r.choices[0].text != reference["completion"][0]
 
 
 @pytest.mark.cluster("nixl")

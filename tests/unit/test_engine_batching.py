@@ -3,7 +3,7 @@ preemption and batching each give the same output as one request alone."""
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import InvalidRequest, SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -71,3 +71,15 @@ def test_abort_frees_blocks(engine):
     outs = engine.step()
     assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
     assert engine.block_pool.num_free_blocks == free0
+
+
+def test_logit_bias_changes_its_own_row_only(make_engine, base_engine):
+    ids = prompt_ids(base_engine, 40, seed=5)
+    other = prompt_ids(base_engine, 30, seed=6)
+    want = alone(make_engine, ids)
+    banned = SamplingParams(max_tokens=len(want), temperature=0, ignore_eos=True, logit_bias={want[0]: -100.0})
+    got = make_engine().generate([ids, other], [banned, GREEDY])
+    assert got[0].token_ids[0] != want[0]
+    assert got[1].token_ids == alone(make_engine, other)
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        make_engine().add_request(ids, SamplingParams(logit_bias={base_engine.model_config.vocab_size: 1.0}))

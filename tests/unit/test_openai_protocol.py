@@ -123,7 +123,7 @@ def chat_error(body: dict) -> APIError:
         ({"messages": MSGS, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"messages": MSGS, "stop": 5}, "stop"),
         ({"messages": MSGS, "n": 2}, "n"),
-        ({"messages": MSGS, "logit_bias": {"5": 10}}, "logit_bias"),
+        ({"messages": MSGS, "logit_bias": {"five": 10}}, "logit_bias"),
     ],
 )
 def test_chat_validation_names_param(body, param):
@@ -536,3 +536,15 @@ def test_completions_refuse_guided_decoding():
     with pytest.raises(APIError) as e:
         parse_request(CompletionRequest, json.dumps({"prompt": "x", "guided_regex": "a+"}))
     assert e.value.status == 400 and e.value.param == "guided_regex"
+
+
+def test_logit_bias_reaches_the_sampling_params_and_is_checked():
+    req = ChatCompletionRequest.model_validate({"messages": MSGS, "max_tokens": 4, "logit_bias": {"5": 10, "7": -100}})
+    assert req.to_sampling_params(vocab_size=100).logit_bias == {5: 10.0, 7: -100.0}
+    for bad in ({"5": 101}, {"5": "x"}, {"-1": 1}, {"5": float("nan")}, {"²": 1}, {"9" * 30: 1}):
+        err = chat_error({"messages": MSGS, "logit_bias": bad})
+        assert err.status == 400 and err.param.startswith("logit_bias"), (bad, err.param)
+    with pytest.raises(APIError) as e:
+        ChatCompletionRequest.model_validate({"messages": MSGS, "max_tokens": 4, "logit_bias": {"100": 1}}) \
+            .to_sampling_params(vocab_size=100)
+    assert e.value.status == 400 and e.value.param == "logit_bias"

@@ -7,7 +7,7 @@ import torch
 
 from engine.request import Request
 from engine.sampler import Sampler, apply_penalties, top_k_top_p_mask
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import InvalidRequest, SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -71,3 +71,29 @@ def test_temperature_sampling_follows_distribution():
     r = req(temperature=1.0, seed=0)
     draws = [sampler(logits, [r]).token_ids[0] for _ in range(2000)]
     assert 0.65 < draws.count(0) / 2000 < 0.75
+
+
+def test_logit_bias_moves_only_the_rows_that_ask_and_logprobs_stay_raw():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0], [0.0, 2.0, 1.0]])
+    rows = [req(temperature=0, logit_bias={1: -100.0}, logprobs=0), req(temperature=0, logit_bias={0: 100.0}),
+            req(temperature=0)]
+    out = Sampler()(logits, rows)
+    assert out.token_ids == [2, 0, 1]  # banned argmax, forced token, untouched row
+    assert out.logprobs[0].logprob == pytest.approx(1.0 - math.log(1 + math.e**2 + math.e), abs=1e-5)
+    assert logits.tolist() == [[0.0, 2.0, 1.0]] * 3  # the caller's logits are not changed
+    seeded = req(temperature=1.0, seed=3, logit_bias={2: -100.0})
+    assert all(Sampler()(logits[:1], [seeded]).token_ids[0] != 2 for _ in range(50))
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {1: 101.0}, {1: float("inf")}, {"1": 1.0}, [(1, 1.0)]])
+def test_logit_bias_outside_the_api_range_is_refused(bias):
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_token_ids_past_the_vocabulary_are_refused():
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        SamplingParams(logit_bias={50: 1.0}).check_vocab(50)
+    with pytest.raises(InvalidRequest, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[50]).check_vocab(50)
+    SamplingParams(logit_bias={49: 1.0}, stop_token_ids=[49]).check_vocab(50)
