@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import yaml
+from mn_cluster import wait_serve_ready  # tests/multinode: on sys.path by conftest.py
 
 from cluster import netns
 from engine.weights import SMOLLM2_ID
@@ -55,20 +54,6 @@ def ask(base_url: str) -> str:
     return r.choices[0].message.content or ""
 
 
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"duet serve exited {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"{url}/ready not 200 within {timeout_s:.0f} s: {log.read_text()[-3000:]}")
-
-
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -90,7 +75,7 @@ def test_duet_serve_from_the_image_answers_a_chat(image_root, mode, reference, t
     proc = subprocess.Popen(argv, env=image.node_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{PORT}"
-        wait_ready(url, proc, log)
+        wait_serve_ready(url, proc, log, timeout_s=600)
         assert ask(url) == reference
     finally:
         stop(proc)

@@ -37,6 +37,22 @@ def cluster_config(mn: netns.NamespaceCluster, redis_url: str, backend: str) -> 
     }
 
 
+def wait_serve_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Until `url`/ready answers 200; fails with the log's tail if `duet serve` exits
+    first or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"duet serve exited {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url}/ready not 200 within {timeout_s:.0f} s: {log.read_text()[-3000:]}")
+
+
 class DuetServe:
     """`duet serve --address` in the head's namespace, in the background (from the
     cluster's image when it runs from one: then file arguments must be paths inside it)."""
@@ -50,17 +66,7 @@ class DuetServe:
                                      stdout=log.open("w"), stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"duet serve exited {self.proc.returncode}: {self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise AssertionError(f"{self.url}/ready not 200 within {timeout_s:.0f} s: {self.tail()}")
+        wait_serve_ready(self.url, self.proc, self.log, timeout_s)
 
     def tail(self) -> str:
         return self.log.read_text()[-3000:]
