@@ -12,14 +12,13 @@ or `DUET_IMAGE_TEST=1 make test` runs them, after `make image`.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 
 import httpx
 import openai
 import pytest
 import yaml
-from mn_cluster import wait_serve_ready  # tests/multinode: on sys.path by conftest.py
+from mn_cluster import stop_serve, wait_serve_ready  # tests/multinode: on sys.path by conftest.py
 
 from cluster import netns
 from engine.weights import SMOLLM2_ID
@@ -54,16 +53,6 @@ def ask(base_url: str) -> str:
     return r.choices[0].message.content or ""
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-
-
 @pytest.mark.parametrize("mode", ["aggregated", "disaggregated"])
 def test_duet_serve_from_the_image_answers_a_chat(image_root, mode, reference, tmp_path):
     cfg = {"mode": mode, "engine": ENGINE, "gateway": {"port": PORT}}
@@ -78,7 +67,7 @@ def test_duet_serve_from_the_image_answers_a_chat(image_root, mode, reference, t
         wait_serve_ready(url, proc, log, timeout_s=600)
         assert ask(url) == reference
     finally:
-        stop(proc)
+        stop_serve(proc, timeout_s=120)
     assert proc.returncode == 0, log.read_text()[-3000:]
 
 

@@ -322,7 +322,6 @@ def describe_router(handle) -> str:
     placed, and where its event loop thread is, for a post-mortem of a call that was
     never placed."""
     import sys
-    import threading
     import traceback
 
     parts: list[str] = []

@@ -53,6 +53,18 @@ def wait_serve_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: flo
     raise AssertionError(f"{url}/ready not 200 within {timeout_s:.0f} s: {log.read_text()[-3000:]}")
 
 
+def stop_serve(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Ctrl-C's path: `duet serve` shuts Serve down (every replica) and exits; killed
+    if it has not within `timeout_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 class DuetServe:
     """`duet serve --address` in the head's namespace, in the background (from the
     cluster's image when it runs from one: then file arguments must be paths inside it)."""
@@ -72,14 +84,7 @@ class DuetServe:
         return self.log.read_text()[-3000:]
 
     def stop(self) -> None:
-        """Ctrl-C's path: `duet serve` shuts Serve down (every replica) and exits."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        stop_serve(self.proc, timeout_s=90)
 
 
 def scrape(mn: netns.NamespaceCluster, node: str) -> dict[str, list[tuple[dict, float]]]:
