@@ -33,6 +33,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
+from engine.structured import Grammars
 from engine.tokenizer import load_tokenizer
 from engine.weights import load_checkpoint, resolve_checkpoint
 
@@ -106,6 +107,7 @@ class Engine:
         self.kv_manager = KVCacheManager(self.block_pool, cfg.block_size, self.model_fingerprint)
         self.scheduler = Scheduler(self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler()
+        self.grammars = Grammars(self.tokenizer.hf, model_cfg.vocab_size)
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._exports: dict[str, ExportedKV] = {}
         # Called on the engine thread the moment a prefill-role request finishes, so the
@@ -178,6 +180,8 @@ class Engine:
     def _start(self, req: Request, context_ids: list[int] | None = None) -> None:
         if req.sampling.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
+        if req.sampling.structured is not None:  # a request taken over replays its tokens
+            req.grammar = self.grammars.matcher(req.sampling.structured, req.output_token_ids)
         stop = req.sampling.stop
         self._detoks[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, context_ids or req.prompt_token_ids, stop, req.sampling.include_stop_str_in_output
@@ -323,6 +327,10 @@ class Engine:
             reason = FinishReason.STOP
         elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.cfg.max_model_len:
             reason = FinishReason.LENGTH
+        if req.grammar is not None:
+            req.grammar.consume([token])
+            if req.grammar.is_stopped and reason is None:  # the document is complete
+                reason = FinishReason.STOP
         text, stop_hit = self._detoks[req.request_id].add([token])
         if stop_hit:
             reason = FinishReason.STOP

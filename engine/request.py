@@ -10,6 +10,7 @@ import torch
 
 from engine.hashing import BlockHash
 from engine.sampling_params import SamplingParams
+from engine.structured import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +48,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # structured outputs: the tokens allowed next
     # When it was first scheduled and sampled its first token (monotonic), and where its
     # cached prompt tokens came from: for traces and queue-wait metrics.
     first_scheduled_time: float | None = None

@@ -1,6 +1,6 @@
 """Batched sampling on the engine's device.
 
-Rows that ask for them get penalties and logit biases first. Greedy rows then take
+Rows that ask for them get penalties, logit biases and their grammar's mask first. Greedy rows then take
 the argmax; the others apply temperature, top-k and top-p, then draw with the
 exponential race (argmax of p / Exp(1)), which needs one
 random tensor per step and lets a seeded request draw from its own generator.
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request, TokenLogprob
+from engine.structured import apply_bitmask
 
 
 @dataclass
@@ -51,6 +52,22 @@ def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
             logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device))
 
 
+def apply_grammars(logits: torch.Tensor, reqs: list[Request]) -> None:
+    """Structured outputs, in place: each grammar row keeps only the tokens its grammar
+    allows next (one bitmask for those rows, filled row by row)."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        reqs[i].grammar.fill_bitmask(bitmask, j)  # type: ignore[union-attr]
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index)
+    apply_bitmask(masked, bitmask)
+    logits.index_copy_(0, index, masked)
+
+
 def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k and nucleus. `top_k` <= 0 and
     `top_p` == 1 disable the respective filter for that row."""
@@ -73,10 +90,11 @@ class Sampler:
         want_logprobs = [r.sampling.logprobs is not None for r in reqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        if any(r.sampling.needs_penalties or r.sampling.logit_bias for r in reqs):
+        if any(r.sampling.needs_penalties or r.sampling.logit_bias or r.grammar is not None for r in reqs):
             logits = logits.clone()
             apply_penalties(logits, reqs)
             apply_logit_bias(logits, reqs)
+            apply_grammars(logits, reqs)
 
         greedy = torch.tensor([r.sampling.greedy for r in reqs], device=device)
         chosen = logits.argmax(dim=-1)

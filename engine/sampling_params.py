@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.structured import StructuredOutput
 
 # Integer fields become tensor elements (top_k, stop ids) or a generator seed: values
 # past these bounds would overflow inside a step and take the whole batch with them.
@@ -37,6 +41,8 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to that token's logit
     # before sampling, greedy included (-100 all but bans it, +100 all but forces it).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured outputs: what every token must keep the output matching (engine/structured.py).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +81,8 @@ class SamplingParams:
             _is_int(t) and 0 <= t <= INT32_MAX and _is_finite(b) and -100 <= b <= 100 for t, b in bias.items()
         ):
             raise InvalidRequest("logit_bias", "must map token ids (non-negative integers) to biases in [-100, 100]")
+        if self.structured is not None:
+            self.structured.validate()
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids this request names must exist in the model's vocabulary."""

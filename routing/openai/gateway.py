@@ -174,7 +174,10 @@ class Gateway:
         except Exception as e:
             raise invalid_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
         ids = await asyncio.to_thread(self.tokenizer.encode, text)
-        sp = req.to_sampling_params(len(ids), self.max_model_len, self.cfg.max_tokens, self.tokenizer.vocab_size)
+        # Off the event loop: a structured output's grammar is compiled to validate it.
+        sp = await asyncio.to_thread(
+            req.to_sampling_params, len(ids), self.max_model_len, self.cfg.max_tokens, self.tokenizer.vocab_size
+        )
         call = Call(
             "chat", make_response_id("chat"), ids, sp, _session(request), key, self.model_name, _trace_parent(request)
         )
@@ -202,7 +205,10 @@ class Gateway:
                 raise invalid_request(f"token ids must be < {self.tokenizer.vocab_size}", "prompt")
         if not ids:
             raise invalid_request("prompt must not be empty", "prompt")
-        sp = req.to_sampling_params(len(ids), self.max_model_len, self.cfg.max_tokens, self.tokenizer.vocab_size)
+        # Off the event loop: a structured output's grammar is compiled to validate it.
+        sp = await asyncio.to_thread(
+            req.to_sampling_params, len(ids), self.max_model_len, self.cfg.max_tokens, self.tokenizer.vocab_size
+        )
         call = Call(
             "completions", make_response_id("completion"), ids, sp, _session(request), key, self.model_name,
             _trace_parent(request),

@@ -100,7 +100,7 @@ async def disaggregated(
     view = _ClientView(req.request_id, req.num_prompt_tokens)
     generated: list[int] = []  # every token streamed so far, across passes
     for hop in itertools.count():
-        remaining = _remaining(req.sampling, len(generated))
+        remaining = _remaining(req.sampling, generated)
         if remaining is None:  # the lost replica had produced every token; only the end was lost
             yield [view.final(FinishReason.LENGTH, len(generated))]
             return
@@ -279,13 +279,18 @@ class _ClientView:
                              self.num_cached_tokens or 0, num_output_tokens)
 
 
-def _remaining(sp: SamplingParams, done: int) -> SamplingParams | None:
-    """The sampling of the rest of a request after `done` tokens; None if nothing is left."""
+def _remaining(sp: SamplingParams, generated: list[int]) -> SamplingParams | None:
+    """The sampling of the rest of a request after `generated`; None if nothing is left.
+    A grammar resumes where those tokens left it."""
+    done = len(generated)
     if done == 0:
         return sp
     if done >= sp.max_tokens:
         return None
-    return dataclasses.replace(sp, max_tokens=sp.max_tokens - done)
+    structured = sp.structured
+    if structured is not None:
+        structured = dataclasses.replace(structured, prefix=structured.prefix + tuple(generated))
+    return dataclasses.replace(sp, max_tokens=sp.max_tokens - done, structured=structured)
 
 
 async def aggregated(handle, req: PrefillRequest) -> AsyncIterator[list[RequestOutput]]:

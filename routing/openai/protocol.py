@@ -3,8 +3,9 @@ onto the engine's SamplingParams.
 
 Requests ignore fields they do not know (clients send many, e.g. `user`, `metadata`).
 What duet cannot honour (`n` > 1, `best_of` > 1, batched prompts, `echo`, `suffix`,
-structured outputs, tool calls: `UNHONOURED`) is a 400 naming the field, never
-silently dropped.
+grammars, tool calls: `UNHONOURED`) is a 400 naming the field, never silently dropped.
+Structured outputs (`response_format`, and vLLM's `guided_json`, `guided_regex`,
+`guided_choice`) are honoured: engine/structured.py.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from pydantic import (
 )
 
 from engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, InvalidRequest, SamplingParams
+from engine.structured import StructuredOutput
 from routing.openai.errors import context_length_exceeded, from_validation_error, invalid_request
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Fields that change what a client gets back and that duet cannot honour yet, with the
 # values that ask for nothing (accepted, since clients send them by default).
-UNHONOURED_SAMPLING = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                       "structured_outputs", "logits_processors")
+UNHONOURED_SAMPLING = ("guided_grammar", "structured_outputs", "logits_processors")
 UNHONOURED_CHAT = ("tools", "tool_choice", "functions", "function_call")
 UNHONOURED = UNHONOURED_SAMPLING + UNHONOURED_CHAT
 
@@ -48,8 +49,6 @@ def _harmless(field: str, value: Any) -> bool:
     """Whether `value` of an unhonoured field asks for nothing duet would skip."""
     if value is None:
         return True
-    if field == "response_format":
-        return value == {"type": "text"}
     if field in ("tool_choice", "function_call"):
         return value == "none"
     if field in ("tools", "functions", "logits_processors"):
@@ -104,6 +103,32 @@ class ChatMessage(_Request):
         return {"role": role, "content": self.text}
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # always strict here: every token is checked against the schema
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.json_schema is None:
+            raise invalid_request("response_format.json_schema is required when type is 'json_schema'",
+                                  param="response_format")
+        if self.json_schema.schema_ is None:
+            return StructuredOutput("json_object")
+        return StructuredOutput.json_schema(self.json_schema.schema_)
+
+
 class _SamplingRequest(_Request):
     """Fields shared by chat and completions; extensions (vLLM's names) marked (ext)."""
 
@@ -126,11 +151,12 @@ class _SamplingRequest(_Request):
     # Token ids (JSON object keys, so strings) -> a bias in [-100, 100].
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     user: str | None = None
+    # Structured outputs: at most one of these four.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | None = None  # (ext) a JSON schema
+    guided_regex: str | None = Field(None, min_length=1)  # (ext)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)  # (ext)
     # Not honoured yet: a value that asks for anything is refused (`_not_honoured`).
-    response_format: dict[str, Any] | None = None
-    guided_json: Any = None  # (ext)
-    guided_regex: Any = None  # (ext)
-    guided_choice: Any = None  # (ext)
     guided_grammar: Any = None  # (ext)
     structured_outputs: Any = None  # (ext)
     logits_processors: Any = None  # (ext)
@@ -159,6 +185,21 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def structured(self) -> StructuredOutput | None:
+        """The structured output asked for, if any (a 400 when more than one is)."""
+        asked = [name for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
+                 if getattr(self, name) is not None and getattr(self, name) != ResponseFormat(type="text")]
+        if len(asked) > 1:
+            raise invalid_request(f"{' and '.join(asked)} both constrain the output; send one of them",
+                                  param=asked[1])
+        if self.guided_json is not None:
+            return StructuredOutput.json_schema(self.guided_json, param="guided_json")
+        if self.guided_regex is not None:
+            return StructuredOutput("regex", self.guided_regex, param="guided_regex")
+        if self.guided_choice is not None:
+            return StructuredOutput.choice(self.guided_choice)
+        return self.response_format.structured() if self.response_format is not None else None
+
     def _sampling(self, max_tokens: int, logprobs: int | None, vocab_size: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
@@ -177,6 +218,7 @@ class _SamplingRequest(_Request):
                 logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
+                structured=self.structured(),
             )
             if vocab_size is not None:
                 sp.check_vocab(vocab_size)

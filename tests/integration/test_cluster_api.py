@@ -7,6 +7,8 @@ serving.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -15,6 +17,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput
 from engine.weights import SMOLLM2_ID
 
 pytestmark = pytest.mark.integration
@@ -22,6 +25,9 @@ pytestmark = pytest.mark.integration
 MAX_TOKENS = 24
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The three primary colors are"
+PERSON_CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
 SETUPS = [
     pytest.param("nixl", marks=pytest.mark.cluster("nixl"), id="disagg-nixl"),
     pytest.param("torch", marks=pytest.mark.cluster("torch"), id="disagg-torch"),
@@ -32,7 +38,8 @@ SETUPS = [
 @pytest.fixture(scope="module")
 def reference() -> dict[str, tuple]:
     """(text, completion tokens, finish reason) of the single-process fp32 engine, and
-    under "banned" (text, logit_bias) of the completion with its first token banned."""
+    under "banned" (text, logit_bias) of the completion with its first token banned, and
+    under "structured" (text, finish reason) of a JSON-schema chat."""
     torch.set_num_threads(1)  # the replicas use the other core
     engine = Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=1024))
     chat_text = engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
@@ -45,6 +52,10 @@ def reference() -> dict[str, tuple]:
             bias = {res.token_ids[0]: -100.0}
             (banned,) = engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logit_bias=bias))
             out["banned"] = (banned.text, bias)
+    person = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(PERSON_CHAT, add_generation_prompt=True))
+    (doc,) = engine.generate([person], SamplingParams(max_tokens=64, temperature=0,
+                                                      structured=StructuredOutput.json_schema(PERSON)))
+    out["structured"] = (doc.text, doc.finish_reason)
     del engine
     torch.set_num_threads(1)
     return out
@@ -117,6 +128,23 @@ def test_logit_bias_is_honoured_by_prefill_and_decode(duet, reference, setup):
                                         logit_bias={str(t): b for t, b in bias.items()})
     assert r.choices[0].text == text
     assert r.choices[0].text != reference["completion"][0]
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_a_json_schema_is_honoured_by_prefill_and_decode(duet, reference, setup):
+    """Prefill samples the first token under the grammar, decode resumes it: the streamed
+    document is the single-process engine's; a schema that cannot compile is a 400."""
+    text, finish = reference["structured"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    with pytest.raises(openai.BadRequestError) as bad:
+        client(duet).chat.completions.create(model=SMOLLM2_ID, messages=PERSON_CHAT, max_tokens=64, response_format={
+            "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "objekt"}}})
+    assert bad.value.body["param"] == "response_format"
+    chunks = client(duet).chat.completions.create(model=SMOLLM2_ID, messages=PERSON_CHAT, max_tokens=64,
+                                                  temperature=0, response_format=fmt, stream=True)
+    got = [(c.choices[0].delta.content or "", c.choices[0].finish_reason) for c in chunks if c.choices]
+    assert "".join(t for t, _ in got) == text and got[-1][1] == finish == "stop"
+    assert set(json.loads(text)) == {"name", "age"}
 
 
 @pytest.mark.cluster("nixl")

@@ -14,6 +14,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import ValidationError
 
+from engine.structured import StructuredOutput
 from routing.openai.errors import (
     APIError,
     context_length_exceeded,
@@ -508,18 +509,14 @@ def test_absurd_nesting_is_a_400():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
     ("tools", [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]),
     ("tool_choice", "required"),
     ("tool_choice", {"type": "function", "function": {"name": "get_weather"}}),
     ("functions", [{"name": "f"}]),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "[a-z]+"),
-    ("guided_choice", ["yes", "no"]),
+    ("guided_grammar", "root ::= x"),
     ("structured_outputs", {"json": {}}),
 ])
-def test_structured_outputs_and_tools_are_refused_not_ignored(field, value):
+def test_grammars_and_tools_are_refused_not_ignored(field, value):
     err = chat_error({"messages": MSGS, field: value})
     assert err.status == 400 and err.param == field and "not supported" in err.message
 
@@ -530,12 +527,39 @@ def test_values_that_ask_for_nothing_are_accepted():
         "parallel_tool_calls": True, "user": "u", "metadata": {"k": "v"},
     }))
     assert req.messages[0].text == "hi"
+    assert req.to_sampling_params(vocab_size=100, num_prompt_tokens=1, max_model_len=8).structured is None
 
 
-def test_completions_refuse_guided_decoding():
-    with pytest.raises(APIError) as e:
-        parse_request(CompletionRequest, json.dumps({"prompt": "x", "guided_regex": "a+"}))
-    assert e.value.status == 400 and e.value.param == "guided_regex"
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("cls, field, value, want", [
+    (ChatCompletionRequest, "response_format", {"type": "json_object"}, StructuredOutput("json_object")),
+    (ChatCompletionRequest, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+     StructuredOutput("json_schema", json.dumps(SCHEMA))),
+    (ChatCompletionRequest, "guided_json", SCHEMA, StructuredOutput("json_schema", json.dumps(SCHEMA), "guided_json")),
+    (CompletionRequest, "guided_regex", "[a-z]+", StructuredOutput("regex", "[a-z]+", "guided_regex")),
+    (CompletionRequest, "guided_choice", ["yes", "no"], StructuredOutput("choice", '["yes", "no"]', "guided_choice")),
+])
+def test_structured_outputs_reach_the_sampling_params(cls, field, value, want):
+    body = {"messages": MSGS} if cls is ChatCompletionRequest else {"prompt": "x"}
+    req = parse_request(cls, json.dumps({**body, field: value, "max_tokens": 4}))
+    assert req.to_sampling_params(vocab_size=100).structured == want
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "guided_json"),
+])
+def test_a_bad_structured_output_is_a_400_naming_its_field(extra, param):
+    err = api_error(lambda: parse_request(ChatCompletionRequest, json.dumps({"messages": MSGS, **extra}))
+                    .to_sampling_params(vocab_size=100, num_prompt_tokens=1, max_model_len=8))
+    assert err.status == 400 and err.param == param, err.message
 
 
 def test_logit_bias_reaches_the_sampling_params_and_is_checked():

@@ -6,6 +6,7 @@ lost before answering is retried; past the limits the request fails cleanly."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from ray.exceptions import ActorDiedError
 
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput
 from kvtransfer.backends.base import PeerInfo
 from kvtransfer.layout import LayoutFingerprint
 from kvtransfer.messages import ImportFailed, KVHandle, PrefillRequest, PrefillResult, RejectReason
@@ -90,17 +92,14 @@ class FakeDecode:
         if import_fail is not None:
             raise ImportFailed(import_fail, "the prefill replica is gone")
         e = self.engine
-        ids = [*req.prompt_token_ids, req.first_token]
-        e.add_request(ids, SamplingParams(**{**vars(req.sampling), "max_tokens": req.sampling.max_tokens - 1}),
-                      request_id=req.request_id)
+        # As a decode replica whose import failed: the prompt recomputed, the first token adopted.
+        e.add_imported_request(req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, None)
         sent = 0
         while e.has_unfinished():
             for out in e.step():
                 if limit is not None and sent == limit:
                     e.abort(req.request_id)
                     raise ActorDiedError()
-                out.num_prompt_tokens = len(req.prompt_token_ids)  # as a decode replica reports it
-                out.num_output_tokens += 1  # the first token came from prefill
                 sent += 1
                 yield [out]
 
@@ -140,6 +139,26 @@ async def test_a_lost_decode_replica_migrates_the_request(make_engine, prompt, r
     last = outs[-1]
     assert (last.request_id, last.num_prompt_tokens, last.num_output_tokens) == ("req", len(prompt), GREEDY.max_tokens)
     assert last.finished and last.finish_reason == FinishReason.LENGTH
+
+
+async def test_a_migrated_structured_request_resumes_its_document(make_engine):
+    """The continuation's grammar starts where the streamed tokens left it: the output is
+    the uninterrupted one, a complete JSON document."""
+    engine = make_engine()
+    prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Describe a person as JSON."}]))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    sp = SamplingParams(max_tokens=40, temperature=0, structured=StructuredOutput.json_schema(schema))
+    want = engine.generate([prompt], sp)[0]
+    decode = FakeDecode(make_engine(), die_after=[4])
+    outs = await collect(pipeline.disaggregated(FakePrefill(engine), decode, PrefillRequest("req", tuple(prompt), sp),
+                                                pipeline.Timing(), resilience=pipeline.Resilience(max_migrations=1)))
+    got = [t for o in outs for t in o.new_token_ids]
+    assert got == want.token_ids and outs[-1].finish_reason == FinishReason.STOP
+    assert set(json.loads(engine.tokenizer.decode(got))) == {"name", "age"}
+    # the continuation carried the 5 streamed tokens as the grammar's prefix
+    assert decode.requests[1].sampling.structured.prefix == tuple(got[:5])
 
 
 async def test_past_the_migration_limit_the_request_fails(make_engine, prompt):
@@ -192,8 +211,8 @@ async def test_import_failures_that_are_not_retried_fail_the_request(make_engine
 
 
 def test_nothing_left_to_generate_after_a_loss_ends_the_request():
-    assert pipeline._remaining(GREEDY, GREEDY.max_tokens) is None
-    assert pipeline._remaining(GREEDY, 4).max_tokens == GREEDY.max_tokens - 4
+    assert pipeline._remaining(GREEDY, list(range(GREEDY.max_tokens))) is None
+    assert pipeline._remaining(GREEDY, [1, 2, 3, 4]).max_tokens == GREEDY.max_tokens - 4
 
 
 class _NeverStarted:

@@ -1,0 +1,141 @@
+"""Structured outputs: a request's JSON schema, "any JSON object", regular expression
+or list of choices, turned into a token-level grammar that masks every step's logits
+(llguidance: see `duet bench grammar` for why this library).
+
+What travels with a request (inside `SamplingParams`, so across the prefill → decode
+hop too) is the `StructuredOutput` spec, never a matcher: an engine that takes a
+request over (decode after a handoff, a migration, a recompute) builds a fresh
+matcher and replays the request's output tokens into it, so the grammar's state is
+always a function of the tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Literal
+
+import llguidance
+import llguidance.hf
+import torch
+
+from engine.sampling_params import InvalidRequest
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+Kind = Literal["json_object", "json_schema", "regex", "choice"]
+
+# Compact, deterministic JSON: a small model given free whitespace can spend its whole
+# budget on newlines. ", " and ": " keep the text as people write it.
+_JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+}
+_ANY_OBJECT = '{"type": "object"}'
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match. `spec` is the JSON schema's text (json_schema), the
+    pattern (regex), a JSON list of strings (choice), or empty (json_object). `param`
+    is the request field it came from, for errors. `prefix`: output tokens an earlier
+    pass already produced (a migrated request's continuation resumes the document)."""
+
+    kind: Kind
+    spec: str = ""
+    param: str = "response_format"
+    prefix: tuple[int, ...] = ()
+
+    @classmethod
+    def json_schema(cls, schema: object, param: str = "response_format") -> StructuredOutput:
+        if not isinstance(schema, dict):
+            raise InvalidRequest(param, f"the JSON schema must be an object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema), param)
+
+    @classmethod
+    def choice(cls, choices: object, param: str = "guided_choice") -> StructuredOutput:
+        if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+            raise InvalidRequest(param, "must be a non-empty list of non-empty strings")
+        return cls("choice", json.dumps(choices), param)
+
+    def grammar(self) -> str:
+        """llguidance's grammar text; an invalid spec is an `InvalidRequest` naming `param`."""
+        try:
+            grammar = _grammar(self.kind, self.spec)
+        except ValueError as e:
+            raise InvalidRequest(self.param, f"invalid {self.kind.replace('_', ' ')}: {e}") from e
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise InvalidRequest(self.param, f"invalid {self.kind.replace('_', ' ')}: {error}")
+        return grammar
+
+    def validate(self) -> None:
+        self.grammar()
+
+
+@lru_cache(maxsize=256)
+def _grammar(kind: Kind, spec: str) -> str:
+    match kind:
+        case "json_object" | "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec or _ANY_OBJECT, defaults=_JSON_OPTIONS)
+        case "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        case "choice":
+            return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in json.loads(spec)))
+    raise ValueError(f"unknown structured output kind {kind!r}")
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: which tokens may come next."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._m = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of `bitmask` ([rows, ceil(vocab / 32)] int32): bit set = allowed."""
+        r = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(r.data_ptr(), r.numel() * r.element_size())
+
+    def consume(self, token_ids: list[int]) -> None:
+        if not self._m.consume_tokens(token_ids) or self._m.is_error():
+            raise RuntimeError(f"the grammar refused token(s) {token_ids}: {self._m.get_error()}")
+
+    @property
+    def is_stopped(self) -> bool:
+        """Nothing more may be generated (the document is complete, or EOS consumed)."""
+        return bool(self._m.is_stopped())
+
+
+class Grammars:
+    """One engine's grammar compiler: the tokenizer's llguidance view, built once (~0.4 s)
+    on the first structured request."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int) -> None:
+        self._hf = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    def matcher(self, spec: StructuredOutput, output_token_ids: list[int]) -> GrammarMatcher:
+        """A matcher for `spec` that has consumed its prefix and `output_token_ids` (a
+        request taken over)."""
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
+        m = llguidance.LLMatcher(self._tokenizer, spec.grammar())
+        if m.is_error():
+            raise InvalidRequest(spec.param, m.get_error())
+        matcher = GrammarMatcher(m)
+        if spec.prefix or output_token_ids:
+            matcher.consume([*spec.prefix, *output_token_ids])
+        return matcher
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit whose bit in `bitmask` is clear (rows match)."""
+    vocab = logits.shape[1]
+    allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    logits.masked_fill_(~allowed.to(logits.device), float("-inf"))

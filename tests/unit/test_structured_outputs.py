@@ -1,0 +1,107 @@
+"""Structured outputs in the engine (engine/structured.py): every token is checked
+against the request's grammar, the output is a complete document, other rows of the
+batch are untouched, and an engine that takes a request over (decode after a
+handoff) resumes the grammar from the request's tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from engine.request import FinishReason
+from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.structured import StructuredOutput
+
+pytestmark = pytest.mark.unit
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                   "city": {"enum": ["Paris", "Rome", "Oslo"]}},
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture
+def chat(engine):
+    def prompt(text: str) -> list[int]:
+        return engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+    return prompt
+
+
+def greedy(structured: StructuredOutput | None, max_tokens: int = 48, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, structured=structured, **kw)
+
+
+def test_json_schema_output_is_a_document_of_that_schema(engine, chat):
+    out = engine.generate([chat("Describe a person as JSON.")], greedy(StructuredOutput.json_schema(PERSON)))[0]
+    doc = json.loads(out.text)
+    assert list(doc) == ["name", "age", "city"]  # the schema's order
+    assert isinstance(doc["name"], str) and 0 <= doc["age"] <= 120 and doc["city"] in ("Paris", "Rome", "Oslo")
+    assert out.finish_reason is FinishReason.STOP
+
+
+def test_json_object_regex_and_choice(engine, chat):
+    p = chat("Answer with JSON.")
+    sampled = SamplingParams(max_tokens=160, temperature=0.7, seed=2, structured=StructuredOutput("json_object"))
+    out = engine.generate([p], sampled)[0]
+    assert out.finish_reason is FinishReason.STOP and isinstance(json.loads(out.text), dict)
+    phone = engine.generate([chat("A phone number?")], greedy(StructuredOutput("regex", r"[0-9]{3}-[0-9]{4}")))[0]
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone.text) and phone.finish_reason is FinishReason.STOP
+    choice = engine.generate([chat("Is Paris in France?")], greedy(StructuredOutput.choice(["yes", "no", "maybe"])))
+    assert choice[0].text in ("yes", "no", "maybe")
+
+
+def test_a_document_cut_by_max_tokens_ends_with_length(engine, chat):
+    out = engine.generate([chat("Describe a person as JSON.")], greedy(StructuredOutput.json_schema(PERSON), 5))[0]
+    assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 5 and out.text.startswith("{")
+
+
+def test_other_rows_of_the_batch_are_untouched(engine, chat):
+    free = chat("Tell me about Paris.")
+    alone = engine.generate([free], greedy(None, 24, ignore_eos=True))[0].token_ids
+    both = engine.generate([free, chat("Describe a person as JSON.")],
+                           [greedy(None, 24, ignore_eos=True), greedy(StructuredOutput.json_schema(PERSON))])
+    assert both[0].token_ids == alone
+    json.loads(both[1].text)
+
+
+def test_decode_resumes_the_grammar_after_the_first_token(make_engine, chat):
+    """prefill samples the first token under the grammar; decode adopts the request
+    (here recomputing the prompt) and continues the same document."""
+    p = chat("Describe a person as JSON.")
+    sp = greedy(StructuredOutput.json_schema(PERSON))
+    want = make_engine().generate([p], sp)[0].token_ids
+    prefill, decode = make_engine(role="prefill"), make_engine(role="decode")
+    first = prefill.generate([p], sp)[0].token_ids
+    assert first == want[:1]
+    decode.add_imported_request("r", p, first[0], sp, None)
+    got = list(first)
+    while decode.has_unfinished():
+        got += [t for o in decode.step() for t in o.new_token_ids]
+    assert got == want
+
+
+def test_a_prefix_resumes_a_migrated_document(engine, chat):
+    p = chat("Describe a person as JSON.")
+    full = engine.generate([p], greedy(StructuredOutput.json_schema(PERSON)))[0].token_ids
+    resumed = StructuredOutput("json_schema", json.dumps(PERSON), prefix=tuple(full[:6]))
+    rest = engine.generate([p + full[:6]], greedy(resumed, 48 - 6))[0].token_ids
+    assert full[:6] + rest == full
+
+
+@pytest.mark.parametrize("structured, param", [
+    (StructuredOutput("json_schema", '{"type": "objekt"}'), "response_format"),
+    (StructuredOutput("regex", "[a-", "guided_regex"), "guided_regex"),
+])
+def test_an_invalid_grammar_is_refused_naming_its_field(engine, structured, param):
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request("hi", greedy(structured))
+    assert e.value.field == param
+    assert not engine.has_unfinished()
+    with pytest.raises(InvalidRequest):
+        StructuredOutput.choice([""])
