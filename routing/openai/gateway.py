@@ -185,12 +185,13 @@ class Gateway:
         if req.stream:
             builder = ChatStream(
                 call.request_id, self.model_name, include_usage=req.include_usage, logprobs=req.logprobs,
-                token_text=self._token_text,
+                token_text=self._token_text, tools=req.tool_use(),
             )
             return self._stream(call, builder)
         outs = await self._collect(call)
         resp = build_chat_response(
-            call.request_id, self.model_name, outs, logprobs=req.logprobs, token_text=self._token_text
+            call.request_id, self.model_name, outs, logprobs=req.logprobs, token_text=self._token_text,
+            tools=req.tool_use(),
         )
         return resp.model_dump(exclude_none=True)
 

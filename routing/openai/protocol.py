@@ -3,9 +3,10 @@ onto the engine's SamplingParams.
 
 Requests ignore fields they do not know (clients send many, e.g. `user`, `metadata`).
 What duet cannot honour (`n` > 1, `best_of` > 1, batched prompts, `echo`, `suffix`,
-grammars, tool calls: `UNHONOURED`) is a 400 naming the field, never silently dropped.
-Structured outputs (`response_format`, and vLLM's `guided_json`, `guided_regex`,
-`guided_choice`) are honoured: engine/structured.py.
+grammars, the deprecated `functions`: `UNHONOURED`) is a 400 naming the field, never
+silently dropped. Structured outputs (`response_format`, and vLLM's `guided_json`,
+`guided_regex`, `guided_choice`) are honoured (engine/structured.py), and so are
+`tools` and `tool_choice` (routing/openai/tools.py).
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from pydantic import (
 from engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, InvalidRequest, SamplingParams
 from engine.structured import StructuredOutput
 from routing.openai.errors import context_length_exceeded, from_validation_error, invalid_request
+from routing.openai.tools import Tool, ToolCall, ToolCallDelta, ToolChoice, ToolUse, call_text
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Fields that change what a client gets back and that duet cannot honour yet, with the
 # values that ask for nothing (accepted, since clients send them by default).
 UNHONOURED_SAMPLING = ("guided_grammar", "structured_outputs", "logits_processors")
-UNHONOURED_CHAT = ("tools", "tool_choice", "functions", "function_call")
+UNHONOURED_CHAT = ("functions", "function_call")
 UNHONOURED = UNHONOURED_SAMPLING + UNHONOURED_CHAT
 
 
@@ -49,9 +51,9 @@ def _harmless(field: str, value: Any) -> bool:
     """Whether `value` of an unhonoured field asks for nothing duet would skip."""
     if value is None:
         return True
-    if field in ("tool_choice", "function_call"):
+    if field == "function_call":
         return value == "none"
-    if field in ("tools", "functions", "logits_processors"):
+    if field in ("functions", "logits_processors"):
         return value == []
     return False
 
@@ -88,14 +90,18 @@ class ChatMessage(_Request):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
 
     @property
     def text(self) -> str:
         if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text for p in self.content)
+            parts: list[str] = []
+        elif isinstance(self.content, str):
+            parts = [self.content]
+        else:
+            parts = [p.text for p in self.content]
+        parts += [call_text(c) for c in self.tool_calls or ()]
+        return "\n".join(p for p in parts if p)
 
     def template_dict(self) -> dict[str, str]:
         # Llama-family templates know no "developer" role; it is OpenAI's new name for system.
@@ -258,20 +264,44 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True  # (ext)
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted: a reply makes at most one call
+    functions: Any = None  # deprecated by OpenAI for tools: refused unless empty
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # means nothing without tools
 
     @field_validator(*UNHONOURED_CHAT)
     @classmethod
     def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse_unless_harmless(v, info)
 
+    def tool_use(self) -> ToolUse | None:
+        """The tools the reply may call (None: it calls none); a 400 if they do not fit."""
+        try:
+            return ToolUse.of(self.tools, self.tool_choice)
+        except ValueError as e:
+            raise invalid_request(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from e
+
     def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template wants them: role and plain-text content."""
-        return [m.template_dict() for m in self.messages]
+        """Messages as the chat template wants them: role and plain-text content, the
+        callable tools described in the system message."""
+        messages = [m.template_dict() for m in self.messages]
+        use = self.tool_use()
+        if use is not None:
+            if messages[0]["role"] == "system":
+                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + use.system_prompt()}
+            else:
+                messages.insert(0, {"role": "system", "content": use.system_prompt()})
+        return messages
+
+    def structured(self) -> StructuredOutput | None:
+        asked = super().structured()
+        use = self.tool_use()
+        call = use.structured() if use is not None else None
+        if call is not None and asked is not None:
+            raise invalid_request(f"tool_choice and {asked.param} both constrain the output; send one of them",
+                                  param="tool_choice")
+        return call or asked
 
     def to_sampling_params(
         self,
@@ -426,6 +456,7 @@ class CompletionLogprobs(_Response):
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(_Response):
@@ -454,6 +485,7 @@ class DeltaMessage(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

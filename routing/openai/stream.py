@@ -36,6 +36,7 @@ from routing.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from routing.openai.tools import ToolCall, ToolCallDelta, ToolUse
 
 SSE_DONE = "data: [DONE]\n\n"
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -76,6 +77,22 @@ class MergedDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = -1
     num_output_tokens: int = 0
+
+
+def merge_deltas_of(merged: Sequence[MergedDelta]) -> MergedDelta:
+    """Merged deltas merged again (their text, tokens, logprobs and finish)."""
+    m = MergedDelta()
+    for d in merged:
+        m.text += d.text
+        m.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            m.logprobs = (m.logprobs or []) + d.logprobs
+        m.finish_reason = d.finish_reason or m.finish_reason
+        m.num_prompt_tokens = max(m.num_prompt_tokens, d.num_prompt_tokens)
+        if m.num_cached_tokens < 0:
+            m.num_cached_tokens = d.num_cached_tokens
+        m.num_output_tokens = max(m.num_output_tokens, d.num_output_tokens)
+    return m
 
 
 def merge_deltas(deltas: Iterable[Delta]) -> MergedDelta:
@@ -206,24 +223,41 @@ class _Stream:
 
 
 class ChatStream(_Stream):
-    """One chat request's chunk builder: the first event carries `role: assistant`."""
+    """One chat request's chunk builder: the first event carries `role: assistant`.
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    With `tools`, a reply that may be a call is held back until it ends (a call is sent
+    whole, as one `tool_calls` delta): all of it under "required" or a named choice,
+    under "auto" only while it could still be one (it starts with `{`)."""
+
+    def __init__(self, *args: Any, tools: ToolUse | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._sent_role = False
+        self.tools = tools
+        self._held: list[MergedDelta] | None = [] if tools is not None else None
 
     def chunk(self, deltas: Sequence[Delta]) -> str:
         """One SSE event for a batch of deltas; "" when it would carry nothing."""
         m = merge_deltas(deltas)
         self._absorb(m)
+        if self._held is not None and self.tools is not None:
+            self._held.append(m)
+            m = merge_deltas_of(self._held)
+            if m.finish_reason is None and (self.tools.choice != "auto" or m.text.lstrip()[:1] in ("", "{")):
+                return ""
+            self._held = None
+            call = self.tools.parse(m.text) if m.finish_reason is not None else None
+            if call is not None:
+                return self._event(DeltaMessage(tool_calls=[ToolCallDelta(**call.model_dump())]), m, "tool_calls")
         if self._sent_role and not m.text and not m.token_ids and m.finish_reason is None:
             return ""
-        delta = DeltaMessage(content=m.text)
+        return self._event(DeltaMessage(content=m.text), m, m.finish_reason)
+
+    def _event(self, delta: DeltaMessage, m: MergedDelta, finish_reason: str | None) -> str:
         if not self._sent_role:
             delta.role = "assistant"
             self._sent_role = True
         lp = chat_logprobs(m.logprobs, self.token_text) if self.logprobs and m.logprobs else None
-        choice = ChatCompletionChunkChoice(delta=delta, logprobs=lp, finish_reason=m.finish_reason)
+        choice = ChatCompletionChunkChoice(delta=delta, logprobs=lp, finish_reason=finish_reason)
         return sse(self._chunk([choice]), exclude=self._exclude)
 
     def _chunk(self, choices, usage: UsageInfo | None = None) -> ChatCompletionChunk:
@@ -269,12 +303,16 @@ def build_chat_response(
     logprobs: bool = False,
     token_text: TokenText = token_id_text,
     created: int | None = None,
+    tools: ToolUse | None = None,
 ) -> ChatCompletionResponse:
-    """A whole `chat.completion` from all of a request's deltas."""
+    """A whole `chat.completion` from all of a request's deltas; with `tools`, a reply
+    that is a call comes back as `tool_calls` (finish reason "tool_calls")."""
     m = merge_deltas(deltas)
     lp = chat_logprobs(m.logprobs or [], token_text) if logprobs else None
+    call: ToolCall | None = tools.parse(m.text) if tools is not None and m.finish_reason else None
+    message = ChatResponseMessage(content=m.text) if call is None else ChatResponseMessage(tool_calls=[call])
     choice = ChatCompletionChoice(
-        message=ChatResponseMessage(content=m.text), logprobs=lp, finish_reason=m.finish_reason
+        message=message, logprobs=lp, finish_reason="tool_calls" if call is not None else m.finish_reason
     )
     return ChatCompletionResponse(
         id=response_id, created=created or int(time.time()), model=model, choices=[choice], usage=_usage(m)

@@ -19,6 +19,7 @@ from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 from engine.weights import SMOLLM2_ID
+from routing.openai.protocol import ChatCompletionRequest
 
 pytestmark = pytest.mark.integration
 
@@ -26,6 +27,10 @@ MAX_TOKENS = 24
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The three primary colors are"
 PERSON_CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"], "additionalProperties": False}}}
+TOOL_CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 SETUPS = [
@@ -39,7 +44,8 @@ SETUPS = [
 def reference() -> dict[str, tuple]:
     """(text, completion tokens, finish reason) of the single-process fp32 engine, and
     under "banned" (text, logit_bias) of the completion with its first token banned, and
-    under "structured" (text, finish reason) of a JSON-schema chat."""
+    under "structured" (text, finish reason) of a JSON-schema chat, under "tool_call" the
+    call a required tool choice makes."""
     torch.set_num_threads(1)  # the replicas use the other core
     engine = Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=1024))
     chat_text = engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
@@ -56,6 +62,12 @@ def reference() -> dict[str, tuple]:
     (doc,) = engine.generate([person], SamplingParams(max_tokens=64, temperature=0,
                                                       structured=StructuredOutput.json_schema(PERSON)))
     out["structured"] = (doc.text, doc.finish_reason)
+    tool_req = ChatCompletionRequest(messages=TOOL_CHAT, tools=[WEATHER_TOOL], tool_choice="required")
+    tool_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(tool_req.template_messages()))
+    sp = tool_req.to_sampling_params(len(tool_ids), 1024, 64, engine.model_config.vocab_size)
+    sp.temperature = 0
+    (call,) = engine.generate([tool_ids], sp)
+    out["tool_call"] = json.loads(call.text)
     del engine
     torch.set_num_threads(1)
     return out
@@ -145,6 +157,22 @@ def test_a_json_schema_is_honoured_by_prefill_and_decode(duet, reference, setup)
     got = [(c.choices[0].delta.content or "", c.choices[0].finish_reason) for c in chunks if c.choices]
     assert "".join(t for t, _ in got) == text and got[-1][1] == finish == "stop"
     assert set(json.loads(text)) == {"name", "age"}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_a_required_tool_choice_returns_the_call(duet, reference, setup):
+    """Whole and streamed: one `tool_calls` entry, the single-process engine's call."""
+    want = reference["tool_call"]
+    kw = dict(model=SMOLLM2_ID, messages=TOOL_CHAT, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=64,
+              temperature=0)
+    whole = client(duet).chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    assert call.function.name == want["name"] and json.loads(call.function.arguments) == want["arguments"]
+    chunks = [c for c in client(duet).chat.completions.create(**kw, stream=True) if c.choices]
+    (streamed,) = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert (streamed.function.name, json.loads(streamed.function.arguments)) == (want["name"], want["arguments"])
 
 
 @pytest.mark.cluster("nixl")

@@ -509,14 +509,12 @@ def test_absurd_nesting_is_a_400():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]),
-    ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "get_weather"}}),
     ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
     ("guided_grammar", "root ::= x"),
     ("structured_outputs", {"json": {}}),
 ])
-def test_grammars_and_tools_are_refused_not_ignored(field, value):
+def test_grammars_and_functions_are_refused_not_ignored(field, value):
     err = chat_error({"messages": MSGS, field: value})
     assert err.status == 400 and err.param == field and "not supported" in err.message
 
