@@ -46,9 +46,11 @@ from routing.openai.protocol import (
 from routing.openai.record import Admission, Call, RequestRecord
 from routing.openai.stream import (
     ChatStream,
+    ChoiceStreams,
     CompletionStream,
     build_chat_response,
     build_completion_response,
+    merge_choices,
     sse_error,
 )
 from telemetry import metrics, tracing
@@ -71,6 +73,14 @@ publish_request_schemas(app, (ChatCompletionRequest, CompletionRequest))
 def _session(request: Request) -> str | None:
     """`x-session-id`: a session-affinity hint for the prefill router, never a rule."""
     return request.headers.get("x-session-id") or None
+
+
+def _by_choice(call: Call, outs: list) -> list[list]:
+    """A whole request's outputs split by choice, in choice order."""
+    if call.n == 1:
+        return [outs]
+    ids = [call.choice_id(i) for i in range(call.n)]
+    return [[o for o in outs if o.request_id == rid] for rid in ids]
 
 
 def _trace_parent(request: Request) -> Context | None:
@@ -179,20 +189,20 @@ class Gateway:
             req.to_sampling_params, len(ids), self.max_model_len, self.cfg.max_tokens, self.tokenizer.vocab_size
         )
         call = Call(
-            "chat", make_response_id("chat"), ids, sp, _session(request), key, self.model_name, _trace_parent(request)
+            "chat", make_response_id("chat"), ids, sp, _session(request), key, self.model_name, _trace_parent(request),
+            self._choices(req.n),
         )
         self.admission.check(call)
+        tools = req.tool_use()
         if req.stream:
-            builder = ChatStream(
+            return self._stream(call, ChoiceStreams({call.choice_id(i): ChatStream(
                 call.request_id, self.model_name, include_usage=req.include_usage, logprobs=req.logprobs,
-                token_text=self._token_text, tools=req.tool_use(),
-            )
-            return self._stream(call, builder)
+                token_text=self._token_text, tools=tools, index=i,
+            ) for i in range(call.n)}))
         outs = await self._collect(call)
-        resp = build_chat_response(
-            call.request_id, self.model_name, outs, logprobs=req.logprobs, token_text=self._token_text,
-            tools=req.tool_use(),
-        )
+        resp = merge_choices([build_chat_response(
+            call.request_id, self.model_name, choice, logprobs=req.logprobs, token_text=self._token_text, tools=tools,
+        ) for choice in _by_choice(call, outs)])
         return resp.model_dump(exclude_none=True)
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
@@ -212,20 +222,19 @@ class Gateway:
         )
         call = Call(
             "completions", make_response_id("completion"), ids, sp, _session(request), key, self.model_name,
-            _trace_parent(request),
+            _trace_parent(request), self._choices(req.n),
         )
         self.admission.check(call)
         logprobs = req.logprobs is not None
         if req.stream:
-            builder = CompletionStream(
+            return self._stream(call, ChoiceStreams({call.choice_id(i): CompletionStream(
                 call.request_id, self.model_name, include_usage=req.include_usage, logprobs=logprobs,
-                token_text=self._token_text,
-            )
-            return self._stream(call, builder)
+                token_text=self._token_text, index=i,
+            ) for i in range(call.n)}))
         outs = await self._collect(call)
-        resp = build_completion_response(
-            call.request_id, self.model_name, outs, logprobs=logprobs, token_text=self._token_text
-        )
+        resp = merge_choices([build_completion_response(
+            call.request_id, self.model_name, choice, logprobs=logprobs, token_text=self._token_text
+        ) for choice in _by_choice(call, outs)])
         return resp.model_dump(exclude_none=True)
 
     async def _accept(self, request: Request, model_cls):
@@ -236,6 +245,11 @@ class Gateway:
         self._check_model(req.model)
         return key, req
 
+    def _choices(self, n: int) -> int:
+        if n > self.cfg.max_n:
+            raise invalid_request(f"n={n} is above this server's limit of {self.cfg.max_n}", "n")
+        return n
+
     def _check_model(self, model: str | None) -> None:
         if model and model not in (self.model_name, self.engine_cfg.model):
             raise model_not_found(model)
@@ -244,10 +258,13 @@ class Gateway:
         return self.tokenizer.convert_ids_to_tokens([token_id])[0]
 
     def _run(self, call: Call, record: RequestRecord):
-        req = call.to_pool(record.trace)
-        if self.aggregated is not None:
-            return pipeline.aggregated(self.aggregated, req)
-        return pipeline.disaggregated(self.prefill, self.decode, req, record.timing, self.resilience)
+        def choice(index: int):
+            req = call.to_pool(record.trace, index)
+            if self.aggregated is not None:
+                return pipeline.aggregated(self.aggregated, req)
+            return pipeline.disaggregated(self.prefill, self.decode, req, record.timing, self.resilience)
+
+        return choice(0) if call.n == 1 else pipeline.merged([choice(i) for i in range(call.n)])
 
     async def _observed(self, call: Call):
         """The pipeline's batches, bracketed by the call's admission and recorded."""

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve._private.utils import generate_request_id
+from ray.serve.context import _set_request_context
 
 from engine.async_engine import EngineDead
 from engine.request import FinishReason, RequestOutput
@@ -215,6 +217,51 @@ async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resi
     raise AssertionError("unreachable")
 
 
+async def merged(streams: list[AsyncGenerator]) -> AsyncGenerator:
+    """The batches of several pipelines (a request's `n` choices) as they arrive. The
+    first error ends them all; leaving early closes every one (calls cancelled, leases
+    rejected)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncGenerator) -> None:
+        _own_serve_request_id()  # this task's context is its own copy: only its calls see it
+        try:
+            async with contextlib.aclosing(stream) as batches:
+                async for outs in batches:
+                    await queue.put(outs)
+            await queue.put(done)
+        except Exception as e:
+            await queue.put(e)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _own_serve_request_id() -> None:
+    """Give the handle calls made from here on a Serve internal request id of their own.
+
+    A handle call inherits the internal request id of the request being served, and
+    Serve's router matches a queued call to its chosen replica by that id: two calls in
+    flight at once from one request (its `n` choices) would share it, and the router
+    spins on the mismatch (seen as a request that never starts, at 100% CPU). Private
+    Serve API (ray.serve.context), the only way to set it."""
+    _set_request_context(_internal_request_id=generate_request_id())
+
+
 async def within(batches: AsyncGenerator, timeout_s: float | None) -> AsyncGenerator:
     """`batches` until `timeout_s` has passed since the first was asked for; then the
     pipeline is cancelled (its Serve calls cancelled, its lease rejected) and a 504 raised."""
@@ -223,18 +270,26 @@ async def within(batches: AsyncGenerator, timeout_s: float | None) -> AsyncGener
             yield outs
         return
     deadline = time.monotonic() + timeout_s
-    it = batches
+    step: asyncio.Future | None = None  # the batch being waited for
     try:
         while True:
+            step = asyncio.ensure_future(batches.__anext__())
+            done, _ = await asyncio.wait({step}, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise deadline_exceeded(timeout_s)
             try:
-                outs = await asyncio.wait_for(it.__anext__(), max(0.0, deadline - time.monotonic()))
+                outs = step.result()
             except StopAsyncIteration:
                 return
-            except TimeoutError:
-                raise deadline_exceeded(timeout_s) from None
             yield outs
     finally:
-        await it.aclose()
+        if step is not None and not step.done():
+            # Cancelled (or out of time) mid-batch: the cancellation unwinds and closes the
+            # pipeline inside `step`; closing it from here too would find it still running.
+            step.cancel()
+            await asyncio.wait({step})
+        else:
+            await batches.aclose()
 
 
 def _first_output(result: PrefillResult) -> RequestOutput:

@@ -2,7 +2,7 @@
 onto the engine's SamplingParams.
 
 Requests ignore fields they do not know (clients send many, e.g. `user`, `metadata`).
-What duet cannot honour (`n` > 1, `best_of` > 1, batched prompts, `echo`, `suffix`,
+What duet cannot honour (`best_of` > 1, batched prompts, `echo`, `suffix`,
 grammars, the deprecated `functions`: `UNHONOURED`) is a 400 naming the field, never
 silently dropped. Structured outputs (`response_format`, and vLLM's `guided_json`,
 `guided_regex`, `guided_choice`) are honoured (engine/structured.py), and so are
@@ -143,7 +143,7 @@ class _SamplingRequest(_Request):
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # (ext)
-    n: int = 1
+    n: int = Field(1, ge=1, le=128)  # choices; the server's own limit is gateway.max_n
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -166,13 +166,6 @@ class _SamplingRequest(_Request):
     guided_grammar: Any = None  # (ext)
     structured_outputs: Any = None  # (ext)
     logits_processors: Any = None  # (ext)
-
-    @field_validator("n")
-    @classmethod
-    def _single_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"n={v} is not supported; duet returns exactly one choice (n=1)")
-        return v
 
     @field_validator("logit_bias")
     @classmethod

@@ -10,6 +10,7 @@ Neither reads HTTP: both run wherever a request's stream is served.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,15 +42,24 @@ class Call:
     key: str  # the caller's API key id
     model: str  # the served model name
     trace_parent: Context | None = None  # the client's `traceparent`, if it sent one
+    n: int = 1  # choices: each one a sequence of its own in the pools
 
     @property
     def cost(self) -> int:
-        """What it may use of its key's token budget: prompt + max_tokens."""
-        return len(self.prompt_ids) + self.sampling.max_tokens
+        """What it may use of its key's token budget: prompt + n x max_tokens."""
+        return len(self.prompt_ids) + self.n * self.sampling.max_tokens
 
-    def to_pool(self, trace: TraceCarrier | None) -> PrefillRequest:
-        """The message the pools receive for it."""
-        return PrefillRequest(self.request_id, tuple(self.prompt_ids), self.sampling, self.session, trace)
+    def choice_id(self, index: int) -> str:
+        """The pools' request id of choice `index` (the call's own when n is 1)."""
+        return self.request_id if self.n == 1 else f"{self.request_id}-{index}"
+
+    def to_pool(self, trace: TraceCarrier | None, index: int = 0) -> PrefillRequest:
+        """The message the pools receive for choice `index`. With a seed, choice i
+        samples with seed + i (as vLLM does), so the choices differ yet repeat."""
+        sp = self.sampling
+        if index and sp.seed is not None:
+            sp = dataclasses.replace(sp, seed=(sp.seed + index + 2**63) % 2**64 - 2**63)
+        return PrefillRequest(self.choice_id(index), tuple(self.prompt_ids), sp, self.session, trace)
 
 
 class Admission:
@@ -143,8 +153,9 @@ class RequestRecord:
         r.observe(metrics.E2E, end - t.start)
         ttft = None if self.first is None else self.first - t.start
         tpot = None
-        if status == "ok" and self.num_output_tokens > 1 and self.first is not None and self.last is not None:
-            tpot = (self.last - self.first) / (self.num_output_tokens - 1)
+        per_choice = self.num_output_tokens / self.call.n  # n choices advance side by side
+        if status == "ok" and per_choice > 1 and self.first is not None and self.last is not None:
+            tpot = (self.last - self.first) / (per_choice - 1)
             r.observe(metrics.TPOT, tpot)
         if status != "cancelled":
             self._signals.finished(ttft, tpot, ok=status == "ok")

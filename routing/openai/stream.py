@@ -45,6 +45,7 @@ TokenText = Callable[[int], str]
 
 
 class Delta(Protocol):
+    request_id: str
     text: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None
@@ -182,8 +183,10 @@ class _Stream:
         logprobs: bool = False,
         token_text: TokenText = token_id_text,
         created: int | None = None,
+        index: int = 0,
     ):
         self.response_id = response_id
+        self.index = index  # the choice this stream builds
         self.model = model
         self.include_usage = include_usage
         self.logprobs = logprobs
@@ -209,6 +212,10 @@ class _Stream:
     @property
     def usage(self) -> UsageInfo:
         return UsageInfo.of(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+    def chunk(self, deltas: Sequence[Delta]) -> str:
+        """One SSE event for a batch of deltas; "" when it would carry nothing."""
+        raise NotImplementedError
 
     def _usage_chunk(self, usage: UsageInfo) -> BaseModel:
         """The endpoint's final chunk carrying only `usage` (each stream defines it)."""
@@ -257,7 +264,7 @@ class ChatStream(_Stream):
             delta.role = "assistant"
             self._sent_role = True
         lp = chat_logprobs(m.logprobs, self.token_text) if self.logprobs and m.logprobs else None
-        choice = ChatCompletionChunkChoice(delta=delta, logprobs=lp, finish_reason=finish_reason)
+        choice = ChatCompletionChunkChoice(index=self.index, delta=delta, logprobs=lp, finish_reason=finish_reason)
         return sse(self._chunk([choice]), exclude=self._exclude)
 
     def _chunk(self, choices, usage: UsageInfo | None = None) -> ChatCompletionChunk:
@@ -279,7 +286,7 @@ class CompletionStream(_Stream):
         if not m.text and not m.token_ids and m.finish_reason is None:
             return ""
         lp = completion_logprobs(m.logprobs, self.token_text, offset) if self.logprobs and m.logprobs else None
-        choice = CompletionChoice(text=m.text, logprobs=lp, finish_reason=m.finish_reason)
+        choice = CompletionChoice(index=self.index, text=m.text, logprobs=lp, finish_reason=m.finish_reason)
         return sse(self._chunk([choice]), exclude=self._exclude)
 
     def _chunk(self, choices, usage: UsageInfo | None = None) -> CompletionResponse:
@@ -289,6 +296,45 @@ class CompletionStream(_Stream):
 
     def _usage_chunk(self, usage: UsageInfo) -> CompletionResponse:
         return self._chunk([], usage)
+
+
+class ChoiceStreams:
+    """A streamed request's `n` choices: each choice's builder (its `index` set) gets
+    the outputs of its own sequence, by request id; the usage chunk sums them."""
+
+    def __init__(self, builders: dict[str, ChatStream] | dict[str, CompletionStream]):
+        self.builders: dict[str, _Stream] = dict(builders)
+
+    def chunk(self, deltas: Sequence[Delta]) -> str:
+        if len(self.builders) == 1:
+            return next(iter(self.builders.values())).chunk(deltas)
+        groups: dict[str, list[Delta]] = {}
+        for d in deltas:
+            groups.setdefault(d.request_id, []).append(d)
+        return "".join(self.builders[rid].chunk(group) for rid, group in groups.items())
+
+    def done(self) -> str:
+        streams = list(self.builders.values())
+        first = streams[0]
+        usage = UsageInfo.of(first.num_prompt_tokens, sum(s.num_output_tokens for s in streams),
+                             first.num_cached_tokens)
+        return first.done(usage)
+
+
+def merge_choices(responses: Sequence[ChatCompletionResponse | CompletionResponse]):
+    """One response of `n` choices from one response per choice (in choice order)."""
+    first = responses[0].model_copy()
+    choices = []
+    for i, r in enumerate(responses):
+        choice = r.choices[0].model_copy(update={"index": i})
+        choices.append(choice)
+    first.choices = choices  # type: ignore[assignment]
+    usages = [r.usage for r in responses if r.usage is not None]
+    if usages:
+        details = usages[0].prompt_tokens_details
+        first.usage = UsageInfo.of(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
+                                   details.cached_tokens if details else 0)
+    return first
 
 
 def _usage(m: MergedDelta) -> UsageInfo:

@@ -146,7 +146,8 @@ CLUSTERS: dict[str, dict] = {
     "resilient": {"prefill.replicas": 2, "decode.replicas": 2},
     # The soak's and the fuzzer's: two replicas per pool, the Redis prefix index, CPU and
     # Redis KV tiers (16-token chunks: the prompts are short), a 90 s request deadline,
-    # 128-token contexts and at most 24 completion tokens (so fuzzed requests stay short).
+    # 128-token contexts, at most 24 completion tokens and 2 choices (so fuzzed requests
+    # stay short).
     "chaos": {
         "engine.max_model_len": 128,
         "prefill.replicas": 2,
@@ -158,6 +159,7 @@ CLUSTERS: dict[str, dict] = {
         "cache.chunk_size": BLOCK_SIZE,
         "gateway.request_timeout_s": CHAOS_REQUEST_TIMEOUT_S,
         "gateway.max_tokens": CHAOS_MAX_TOKENS,
+        "gateway.max_n": 2,
     },
 }
 

@@ -175,6 +175,22 @@ def test_a_required_tool_choice_returns_the_call(duet, reference, setup):
     assert (streamed.function.name, json.loads(streamed.function.arguments)) == (want["name"], want["arguments"])
 
 
+@pytest.mark.parametrize("setup", SETUPS)
+def test_n_choices_whole_and_streamed(duet, reference, setup):
+    """Each choice is a sequence of its own: greedy choices equal the single-process
+    engine's; usage counts the prompt once and every choice's tokens."""
+    ref_text, ref_tokens, _ = reference["completion"]
+    r = client(duet).completions.create(model=SMOLLM2_ID, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [(c.index, c.text) for c in r.choices] == [(0, ref_text), (1, ref_text)]
+    assert r.usage.completion_tokens == 2 * ref_tokens
+    chunks = list(client(duet).chat.completions.create(
+        model=SMOLLM2_ID, messages=CHAT, max_tokens=8, temperature=1.0, seed=11, n=3, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    ends = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert ends == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].usage.completion_tokens == 3 * 8
+
+
 @pytest.mark.cluster("nixl")
 def test_probes_and_models(duet):
     with httpx.Client(base_url=duet.url, timeout=30) as h:
@@ -212,8 +228,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": SMOLLM2_ID, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
     ("/v1/completions", {"model": SMOLLM2_ID, "prompt": 42}, 400),
     ("/v1/completions", {"model": SMOLLM2_ID, "prompt": PROMPT, "max_tokens": 0}, 400),
-    ("/v1/completions", {"model": SMOLLM2_ID, "prompt": PROMPT, "n": 2}, 400),
-    ("/v1/chat/completions", {"model": SMOLLM2_ID, "messages": CHAT, "n": 3}, 400),
+    ("/v1/completions", {"model": SMOLLM2_ID, "prompt": PROMPT, "n": 0}, 400),
+    ("/v1/chat/completions", {"model": SMOLLM2_ID, "messages": CHAT, "n": 9}, 400),  # above gateway.max_n
     ("/v1/chat/completions", {"model": "gpt-17", "messages": CHAT}, 404),
 ]
 
@@ -241,8 +257,8 @@ def test_bad_input_gets_openai_errors_and_server_keeps_serving(duet):
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=SMOLLM2_ID, messages=CHAT, max_tokens=2, n=2)
-    assert e.value.status_code == 400
+        c.chat.completions.create(model=SMOLLM2_ID, messages=CHAT, max_tokens=2, n=9)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model=SMOLLM2_ID, prompt=PROMPT, max_tokens=-1)
 

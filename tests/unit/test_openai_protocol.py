@@ -123,7 +123,7 @@ def chat_error(body: dict) -> APIError:
         ({"messages": MSGS, "presence_penalty": 3}, "presence_penalty"),
         ({"messages": MSGS, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"messages": MSGS, "stop": 5}, "stop"),
-        ({"messages": MSGS, "n": 2}, "n"),
+        ({"messages": MSGS, "n": 0}, "n"),
         ({"messages": MSGS, "logit_bias": {"five": 10}}, "logit_bias"),
     ],
 )
@@ -136,7 +136,7 @@ def test_chat_validation_names_param(body, param):
 
 def test_missing_messages_and_n_messages():
     assert chat_error({"model": "m"}).message == "Missing required parameter: 'messages'."
-    assert "not supported" in chat_error({"messages": MSGS, "n": 3}).message
+    assert "less than or equal to 128" in chat_error({"messages": MSGS, "n": 129}).message
 
 
 def test_unknown_fields_ignored_and_content_parts_joined():

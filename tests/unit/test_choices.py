@@ -1,0 +1,94 @@
+"""`n` choices (routing/openai): each choice is its own sequence in the pools, with its
+own request id and (given a seed) seed + index; their batches are merged as they come,
+streamed under their index, summed in usage, and an error or an early exit ends them all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletionChunk
+
+from engine.request import FinishReason, RequestOutput
+from engine.sampling_params import SamplingParams
+from routing.openai import pipeline
+from routing.openai.record import Call
+from routing.openai.stream import ChatStream, ChoiceStreams, CompletionStream, build_completion_response, merge_choices
+
+pytestmark = pytest.mark.unit
+
+
+def out(rid: str, text: str, finish: FinishReason | None = None, n_out: int = 1) -> RequestOutput:
+    return RequestOutput(rid, [7], text, finish is not None, finish, 5, 2, n_out)
+
+
+def call(n: int, seed: int | None = None) -> Call:
+    return Call("chat", "chatcmpl-x", [1, 2, 3], SamplingParams(max_tokens=4, seed=seed), None, "k", "m", None, n)
+
+
+def test_each_choice_is_its_own_sequence():
+    one, three = call(1, seed=5), call(3, seed=5)
+    assert one.to_pool(None).request_id == "chatcmpl-x" and one.cost == 3 + 4
+    reqs = [three.to_pool(None, i) for i in range(3)]
+    assert [r.request_id for r in reqs] == ["chatcmpl-x-0", "chatcmpl-x-1", "chatcmpl-x-2"]
+    assert [r.sampling.seed for r in reqs] == [5, 6, 7] and three.cost == 3 + 3 * 4
+    assert call(2, seed=2**63 - 1).to_pool(None, 1).sampling.seed == -(2**63)  # stays a 64-bit integer
+
+
+async def _gen(items, fail: BaseException | None = None, closed: list | None = None):
+    try:
+        for x in items:
+            await asyncio.sleep(0)
+            yield x
+        if fail is not None:
+            raise fail
+    finally:
+        if closed is not None:
+            closed.append(True)
+
+
+async def test_merged_yields_every_batch_and_ends_all_on_error():
+    a, b = [[out("a", "x")], [out("a", "y")]], [[out("b", "z")]]
+    got = [o async for o in pipeline.merged([_gen(a), _gen(b)])]
+    assert sorted(o[0].text for o in got) == ["x", "y", "z"]
+    closed: list = []
+    with pytest.raises(RuntimeError, match="boom"):
+        async for _ in pipeline.merged([_gen(a, RuntimeError("boom")), _gen([[out("b", "z")]] * 1000, closed=closed)]):
+            pass
+    assert closed == [True]  # the other choice was closed, not left running
+
+
+async def test_leaving_early_closes_every_choice():
+    closed: list = []
+    stream = pipeline.merged([_gen([[out(rid, "x")]] * 100, closed=closed) for rid in ("a", "b")])
+    await stream.__anext__()
+    await stream.aclose()
+    assert closed == [True, True]
+
+
+def test_streamed_choices_carry_their_index_and_summed_usage():
+    streams = ChoiceStreams({f"r-{i}": ChatStream("r", "m", include_usage=True, index=i) for i in range(2)})
+    events = streams.chunk([out("r-1", "B"), out("r-0", "A")]) + streams.chunk(
+        [out("r-0", "a", FinishReason.STOP, 2), out("r-1", "b", FinishReason.LENGTH, 2)]) + streams.done()
+    payloads = [e.removeprefix("data: ") for e in events.split("\n\n") if e]
+    assert payloads[-1] == "[DONE]"
+    chunks = [ChatCompletionChunk.model_validate(json.loads(p)) for p in payloads[:-1]]
+    text = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        text[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert text == {0: "Aa", 1: "Bb"}
+    assert {c.choices[0].index: c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason} == {
+        0: "stop", 1: "length"}
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (5, 4)
+
+
+def test_whole_choices_are_merged_in_order():
+    per_choice = [[out("r-0", "A", FinishReason.STOP, 1)], [out("r-1", "B", FinishReason.LENGTH, 3)]]
+    resp = merge_choices([build_completion_response("r", "m", o) for o in per_choice])
+    parsed = Completion.model_validate(resp.model_dump(exclude_none=True))
+    assert [(c.index, c.text, c.finish_reason) for c in parsed.choices] == [(0, "A", "stop"), (1, "B", "length")]
+    assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens, parsed.usage.total_tokens) == (5, 4, 9)
+    single = ChoiceStreams({"r": CompletionStream("r", "m")})
+    assert json.loads(single.chunk([out("other-id", "x")]).removeprefix("data: "))["choices"][0]["text"] == "x"
