@@ -70,9 +70,10 @@ publish_request_schemas(app, (ChatCompletionRequest, CompletionRequest))
 
 # Module helpers the routes call must be defined above the class: `serve.ingress`
 # freezes the FastAPI app (and the globals its routes see) when the class is decorated.
-def _session(request: Request) -> str | None:
-    """`x-session-id`: a session-affinity hint for the prefill router, never a rule."""
-    return request.headers.get("x-session-id") or None
+def _session(request: Request, prompt_cache_key: str | None = None) -> str | None:
+    """`x-session-id` (or the body's `prompt_cache_key`): a session-affinity hint for the
+    prefill router, never a rule."""
+    return request.headers.get("x-session-id") or prompt_cache_key or None
 
 
 def _by_choice(call: Call, outs: list) -> list[list]:
@@ -189,8 +190,8 @@ class Gateway:
             req.to_sampling_params, len(ids), self.max_model_len, self.cfg.max_tokens, self.tokenizer.vocab_size
         )
         call = Call(
-            "chat", make_response_id("chat"), ids, sp, _session(request), key, self.model_name, _trace_parent(request),
-            self._choices(req.n),
+            "chat", make_response_id("chat"), ids, sp, _session(request, req.prompt_cache_key), key, self.model_name,
+            _trace_parent(request), self._choices(req.n),
         )
         self.admission.check(call)
         tools = req.tool_use()

@@ -36,7 +36,9 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Fields that change what a client gets back and that duet cannot honour yet, with the
 # values that ask for nothing (accepted, since clients send them by default).
 UNHONOURED_SAMPLING = ("guided_grammar", "structured_outputs", "logits_processors")
-UNHONOURED_CHAT = ("functions", "function_call")
+UNHONOURED_CHAT = ("functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+                   "verbosity", "web_search_options", "moderation", "store", "service_tier",
+                   "prompt_cache_retention", "prompt_cache_options")
 UNHONOURED = UNHONOURED_SAMPLING + UNHONOURED_CHAT
 
 
@@ -53,6 +55,14 @@ def _harmless(field: str, value: Any) -> bool:
         return True
     if field == "function_call":
         return value == "none"
+    if field == "modalities":
+        return value == ["text"]
+    if field == "store":  # nothing is stored: only "do not store" is honoured
+        return value is False
+    if field == "service_tier":  # one tier here
+        return value in ("auto", "default")
+    if field == "prompt_cache_retention":  # the prefix cache lives in memory (and the KV tiers)
+        return value == "in_memory"
     if field in ("functions", "logits_processors"):
         return value == []
     return False
@@ -262,6 +272,24 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None  # accepted: a reply makes at most one call
     functions: Any = None  # deprecated by OpenAI for tools: refused unless empty
     function_call: Any = None
+    # OpenAI-platform features with no counterpart here: refused unless they ask for nothing.
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    # Identifiers that change nothing in the answer: accepted.
+    metadata: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    # A hint that requests share a prefix: the prefill router's session affinity, as the
+    # `x-session-id` header is (the header wins when both are sent).
+    prompt_cache_key: str | None = Field(None, max_length=1024)
 
     @field_validator(*UNHONOURED_CHAT)
     @classmethod
@@ -395,11 +423,40 @@ def parse_request(cls: type[_Request], body: bytes | str) -> Any:
     if not isinstance(data, dict):
         raise invalid_request("The request body must be a JSON object.")
     try:
+        bad = _not_unicode(data, "")
+    except RecursionError:
+        raise invalid_request("The request body is nested too deeply.") from None
+    if bad is not None:
+        raise invalid_request(f"Invalid value for '{bad}': not valid Unicode (a lone surrogate escape such as "
+                              "\\ud800)", param=bad)
+    try:
         return cls.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from e
     except RecursionError:
         raise invalid_request("The request body is nested too deeply.") from None
+
+
+def _not_unicode(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) in `value` that is not valid Unicode:
+    JSON may escape a lone UTF-16 surrogate, which no tokenizer can take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            name = str(k).encode("utf-8", "backslashreplace").decode()  # the error must itself be JSON
+            where = f"{path}.{name}" if path else name
+            if (bad := _not_unicode(k, where)) is not None or (bad := _not_unicode(v, where)) is not None:
+                return bad
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (bad := _not_unicode(v, f"{path}[{i}]")) is not None:
+                return bad
+    return None
 
 
 # ---------------------------------------------------------------- responses

@@ -570,3 +570,46 @@ def test_logit_bias_reaches_the_sampling_params_and_is_checked():
         ChatCompletionRequest.model_validate({"messages": MSGS, "max_tokens": 4, "logit_bias": {"100": 1}}) \
             .to_sampling_params(vocab_size=100)
     assert e.value.status == 400 and e.value.param == "logit_bias"
+
+
+@pytest.mark.parametrize("cls, body, param", [
+    (ChatCompletionRequest, '{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content"),
+    (ChatCompletionRequest, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+     "messages[0].content[0].text"),
+    (CompletionRequest, '{"prompt": "x", "stop": ["ok", "\\udfff"]}', "stop[1]"),
+    (CompletionRequest, '{"prompt": "x", "\\ud800": 1}', "\\ud800"),
+])
+def test_text_that_is_not_unicode_is_a_400_naming_its_field(cls, body, param):
+    err = api_error(lambda: parse_request(cls, body))
+    assert err.status == 400 and err.param == param
+    json.dumps(err.body(), ensure_ascii=False).encode("utf-8")  # the error itself is sendable
+    assert parse_request(CompletionRequest, '{"prompt": "a pair is fine \\ud83d\\ude00"}').prompt.endswith("😀")
+
+
+@pytest.mark.parametrize("sdk_params, model", [
+    ("openai.types.chat.completion_create_params", ChatCompletionRequest),
+    ("openai.types.completion_create_params", CompletionRequest),
+])
+def test_every_request_field_of_the_openai_sdk_is_decided(sdk_params, model):
+    """Each field the official client can send is a field of ours: honoured, or refused
+    with a 400 unless it asks for nothing (UNHONOURED). A field the SDK adds later fails
+    here until it is decided; no field is ignored."""
+    import importlib
+
+    sdk = importlib.import_module(sdk_params).CompletionCreateParamsBase
+    undecided = set(sdk.__annotations__) - set(model.model_fields)
+    assert not undecided, f"decide these {model.__name__} fields: {sorted(undecided)}"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
+    ("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "high"), ("verbosity", "low"),
+    ("web_search_options", {}), ("moderation", {"model": "m"}), ("store", True), ("service_tier", "flex"),
+    ("prompt_cache_retention", "24h"), ("prompt_cache_options", {"ttl": "1h"}),
+])
+def test_platform_features_are_refused_unless_they_ask_for_nothing(field, value):
+    err = chat_error({"messages": MSGS, field: value})
+    assert err.status == 400 and err.param == field
+    harmless = {"modalities": ["text"], "store": False, "service_tier": "auto", "prompt_cache_retention": "in_memory"}
+    if field in harmless:
+        parse_request(ChatCompletionRequest, json.dumps({"messages": MSGS, field: harmless[field]}))
