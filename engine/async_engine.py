@@ -29,6 +29,7 @@ from engine.kv_events import KVEvent
 from engine.request import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
+from engine.structured import GrammarMatcher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -139,7 +140,9 @@ class AsyncEngine:
     ) -> AsyncGenerator[list[RequestOutput], None]:
         """Start a request from its prompt; its stream of output batches."""
         eng = self.engine
-        return await self.add(request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id))
+        grammar = await self._grammar(sampling, [])
+        return await self.add(request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id,
+                                                                  grammar=grammar))
 
     async def add_imported_request(
         self,
@@ -155,17 +158,26 @@ class AsyncEngine:
         blocks are freed here; if the command never runs (cancelled first), the
         caller still owns them."""
         eng = self.engine
+        grammar = await self._grammar(sampling, [first_token])
 
         def start() -> None:
             blocks = take_blocks()
             try:
-                eng.add_imported_request(request_id, prompt_token_ids, first_token, sampling, blocks)
+                eng.add_imported_request(request_id, prompt_token_ids, first_token, sampling, blocks, grammar=grammar)
             except Exception:
                 if blocks is not None:
                     eng.release_blocks(blocks)
                 raise
 
         return await self.add(request_id, start)
+
+    async def _grammar(self, sampling: SamplingParams, output_ids: list[int]) -> GrammarMatcher | None:
+        """A structured request's matcher, compiled on a worker thread: a large schema
+        takes milliseconds to more, and the step loop must not wait for it (llguidance
+        drops the GIL while it builds)."""
+        if sampling.structured is None:
+            return None
+        return await asyncio.to_thread(self.engine.grammars.matcher, sampling.structured, output_ids)
 
     async def reserve_blocks(self, num_tokens: int) -> list[int] | None:
         """Free blocks for `num_tokens` of imported KV, or None while the pool (or the

@@ -33,7 +33,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
-from engine.structured import Grammars
+from engine.structured import GrammarMatcher, Grammars
 from engine.tokenizer import load_tokenizer
 from engine.weights import load_checkpoint, resolve_checkpoint
 
@@ -165,7 +165,10 @@ class Engine:
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        grammar: GrammarMatcher | None = None,
     ) -> str:
+        """`grammar`: the structured output's matcher, when the caller compiled it off
+        this thread (`grammars.matcher`); built here otherwise."""
         sampling = sampling or SamplingParams()
         sampling.validate()
         sampling.check_vocab(self.model_config.vocab_size)
@@ -174,14 +177,14 @@ class Engine:
         if request_id in self.scheduler.requests or request_id in self._detoks:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         req = Request(request_id, ids, sampling, priority, stop_after_first_token=self.role == "prefill")
-        self._start(req)
+        self._start(req, grammar=grammar)
         return request_id
 
-    def _start(self, req: Request, context_ids: list[int] | None = None) -> None:
+    def _start(self, req: Request, context_ids: list[int] | None = None, grammar: GrammarMatcher | None = None) -> None:
         if req.sampling.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
         if req.sampling.structured is not None:  # a request taken over replays its tokens
-            req.grammar = self.grammars.matcher(req.sampling.structured, req.output_token_ids)
+            req.grammar = grammar or self.grammars.matcher(req.sampling.structured, req.output_token_ids)
         stop = req.sampling.stop
         self._detoks[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, context_ids or req.prompt_token_ids, stop, req.sampling.include_stop_str_in_output
@@ -218,6 +221,7 @@ class Engine:
         sampling: SamplingParams,
         block_ids: list[int] | None,
         num_cached_tokens: int = 0,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         """Join the running batch with the prompt's KV already in `block_ids`; the next
         step computes the first token's KV and samples the second. `block_ids=None`
@@ -233,7 +237,7 @@ class Engine:
             req.num_computed_tokens = len(prompt_token_ids)
             req.status = RequestStatus.RUNNING
             self.kv_manager.cache_computed_blocks(req)
-        self._start(req, context_ids=req.token_ids)
+        self._start(req, context_ids=req.token_ids, grammar=grammar)
 
     # ------------------------------------------------------------ the step
     def has_unfinished(self) -> bool:

@@ -105,3 +105,30 @@ def test_an_invalid_grammar_is_refused_naming_its_field(engine, structured, para
     assert not engine.has_unfinished()
     with pytest.raises(InvalidRequest):
         StructuredOutput.choice([""])
+
+
+async def test_the_matcher_is_compiled_off_the_engine_thread(make_engine, chat):
+    """A large schema must not stall every other request's step: AsyncEngine builds the
+    matcher on a worker thread and hands it to the engine with the request."""
+    import threading
+
+    from engine.async_engine import AsyncEngine
+
+    engine = make_engine()
+    built_on: list[str] = []
+    compile_matcher = engine.grammars.matcher
+
+    def spy(spec, output_ids):
+        built_on.append(threading.current_thread().name)
+        return compile_matcher(spec, output_ids)
+
+    engine.grammars.matcher = spy  # type: ignore[method-assign]
+    ae = AsyncEngine(engine)
+    try:
+        stream = await ae.add_request("r", chat("Describe a person as JSON."),
+                                      greedy(StructuredOutput.json_schema(PERSON)))
+        text = "".join([o.text async for outs in stream for o in outs])
+    finally:
+        ae.shutdown()
+    json.loads(text)
+    assert len(built_on) == 1 and built_on[0] != "duet-engine", built_on  # the engine thread's name
