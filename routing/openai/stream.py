@@ -36,7 +36,7 @@ from routing.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from routing.openai.tools import ToolCall, ToolCallDelta, ToolUse
+from routing.openai.tools import CallStream, ToolCall, ToolCallDelta, ToolUse
 
 SSE_DONE = "data: [DONE]\n\n"
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -232,20 +232,28 @@ class _Stream:
 class ChatStream(_Stream):
     """One chat request's chunk builder: the first event carries `role: assistant`.
 
-    With `tools`, a reply that may be a call is held back until it ends (a call is sent
-    whole, as one `tool_calls` delta): all of it under "required" or a named choice,
-    under "auto" only while it could still be one (it starts with `{`)."""
+    With `tools`: under "required" or a named choice the reply is a call, streamed as
+    `tool_calls` pieces (routing/openai/tools.py `CallStream`); under "auto" a reply
+    that may be a call is held back until it ends (then sent whole) or shows it is not
+    one (it does not start with `{`)."""
 
     def __init__(self, *args: Any, tools: ToolUse | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._sent_role = False
         self.tools = tools
-        self._held: list[MergedDelta] | None = [] if tools is not None else None
+        self._call = CallStream() if tools is not None and tools.choice != "auto" else None
+        self._held: list[MergedDelta] | None = [] if tools is not None and self._call is None else None
 
     def chunk(self, deltas: Sequence[Delta]) -> str:
         """One SSE event for a batch of deltas; "" when it would carry nothing."""
         m = merge_deltas(deltas)
         self._absorb(m)
+        if self._call is not None:
+            pieces = self._call.feed(m.text, m.finish_reason)
+            finish = "tool_calls" if m.finish_reason == "stop" else m.finish_reason
+            if not pieces and finish is None:
+                return ""
+            return self._event(DeltaMessage(tool_calls=pieces or None), m, finish)
         if self._held is not None and self.tools is not None:
             self._held.append(m)
             m = merge_deltas_of(self._held)

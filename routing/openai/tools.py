@@ -12,11 +12,18 @@ system message, and a call is the whole reply as one JSON object,
 - "none": the tools are not shown and nothing is parsed.
 
 One call per reply: `parallel_tool_calls` is accepted, and the model may make one.
+
+Streamed, a call under "required" or a named choice goes out as OpenAI streams one: a
+first `delta.tool_calls` entry with the id and the name once the reply's head
+(`{"name": ..., "arguments": `) is complete, then the arguments' text in fragments as
+it is generated (`CallStream`). Under "auto" the reply is held until it is known to be
+a call (it ends as one) or not (it does not start with `{`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -63,18 +70,45 @@ class FunctionCall(BaseModel):
     arguments: str  # JSON text, as OpenAI sends it
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 class ToolCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = Field(default_factory=_call_id)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ToolCallDelta(ToolCall):
-    """A streamed call (`choices[].delta.tool_calls[]`): whole, in one chunk."""
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed call's piece (`choices[].delta.tool_calls[]`): the first carries the
+    id, type and name; later ones only argument text."""
 
     index: int = 0
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+# A call's head, as the model writes it (the grammar writes exactly `{"name": "x", "arguments": `).
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
+
+
+def _arguments_text(text: str) -> str | None:
+    """The raw text of a whole call's arguments (the outer object's `}` cut), or None
+    if `text` does not start with a call's head."""
+    head = _HEAD.match(text)
+    if head is None:
+        return None
+    rest = text[head.end():].rstrip()
+    return rest[:-1].rstrip() if rest.endswith("}") else None
 
 
 @dataclass(frozen=True)
@@ -143,7 +177,48 @@ class ToolUse:
         if not (isinstance(doc, dict) and set(doc) == {"name", "arguments"} and doc["name"] in names
                 and isinstance(doc["arguments"], dict)):
             return None
-        return ToolCall(function=FunctionCall(name=doc["name"], arguments=json.dumps(doc["arguments"])))
+        raw = _arguments_text(text)  # as written, so a streamed call's fragments add up to the same
+        arguments = raw if raw is not None and _loads(raw) == doc["arguments"] else json.dumps(doc["arguments"])
+        return ToolCall(function=FunctionCall(name=doc["name"], arguments=arguments))
+
+
+class CallStream:
+    """One reply under "required" or a named choice (always a call), as stream pieces:
+    the head once its name is known, then argument text as it comes. The outer
+    object's closing `}` (and blanks before it) is held back until the reply ends."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.started = False
+        self._sent = 0  # argument characters sent
+        self._start = 0  # where the arguments begin in `text`
+
+    def feed(self, text: str, finish_reason: str | None) -> list[ToolCallDelta]:
+        """The pieces `text` completes; `finish_reason`: set on the reply's last text
+        ("stop": the call is whole, its closing `}` is dropped; else all is sent)."""
+        self.text += text
+        pieces: list[ToolCallDelta] = []
+        if not self.started:
+            head = _HEAD.match(self.text)
+            if head is None:
+                return pieces
+            self.started, self._start = True, head.end()
+            pieces.append(ToolCallDelta(id=_call_id(), type="function",
+                                        function=FunctionCallDelta(name=head.group(1), arguments="")))
+        args = self.text[self._start:].rstrip()
+        if finish_reason in (None, "stop") and args.endswith("}"):  # may close (or closes) the call itself
+            args = args[:-1].rstrip()
+        if len(args) > self._sent:
+            pieces.append(ToolCallDelta(function=FunctionCallDelta(arguments=args[self._sent:])))
+            self._sent = len(args)
+        return pieces
+
+
+def _loads(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def call_text(call: ToolCall) -> str:

@@ -161,7 +161,8 @@ def test_a_json_schema_is_honoured_by_prefill_and_decode(duet, reference, setup)
 
 @pytest.mark.parametrize("setup", SETUPS)
 def test_a_required_tool_choice_returns_the_call(duet, reference, setup):
-    """Whole and streamed: one `tool_calls` entry, the single-process engine's call."""
+    """Whole and streamed (an id and name first, then argument fragments): the
+    single-process engine's call; the turn after the tool's result is answered."""
     want = reference["tool_call"]
     kw = dict(model=SMOLLM2_ID, messages=TOOL_CHAT, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=64,
               temperature=0)
@@ -170,9 +171,17 @@ def test_a_required_tool_choice_returns_the_call(duet, reference, setup):
     (call,) = whole.message.tool_calls
     assert call.function.name == want["name"] and json.loads(call.function.arguments) == want["arguments"]
     chunks = [c for c in client(duet).chat.completions.create(**kw, stream=True) if c.choices]
-    (streamed,) = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    assert (streamed.function.name, json.loads(streamed.function.arguments)) == (want["name"], want["arguments"])
+    pieces = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and pieces[0].id
+    arguments = "".join(t.function.arguments or "" for t in pieces)
+    assert (pieces[0].function.name, json.loads(arguments)) == (want["name"], want["arguments"])
+    # The follow-up turn: the call and its result in the conversation, answered in text.
+    follow = client(duet).chat.completions.create(
+        model=SMOLLM2_ID, tools=[WEATHER_TOOL], max_tokens=16, temperature=0, messages=[
+            *TOOL_CHAT, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]).choices[0]
+    assert follow.finish_reason in ("stop", "length", "tool_calls")
+    assert follow.message.content or follow.message.tool_calls
 
 
 @pytest.mark.parametrize("setup", SETUPS)

@@ -114,15 +114,30 @@ def _chunks(stream: ChatStream, outs: list[Out]) -> list[str]:
     return [stream.chunk([o]) for o in outs]
 
 
-def test_streamed_call_is_held_and_sent_whole():
+def test_a_required_call_streams_as_openai_streams_one():
+    """The head (id, name) once the name is known, then argument fragments; the
+    fragments add up to the arguments, and the call's own closing brace is not one."""
     use = ToolUse.of(chat(tools=[WEATHER]).tools, "required")
-    events = _chunks(ChatStream("c", "m", tools=use),
-                     [Out("{"), Out('"name": "get_weather", "arguments": '), Out('{"city": "Rome"}}', "stop")])
-    assert events[:2] == ["", ""]
-    chunk = ChatCompletionChunk.model_validate(json.loads(events[2].removeprefix("data: ")))
-    choice = chunk.choices[0]
-    assert choice.delta.role == "assistant" and choice.finish_reason == "tool_calls" and choice.delta.content is None
-    assert choice.delta.tool_calls[0].index == 0 and choice.delta.tool_calls[0].function.name == "get_weather"
+    pieces = ["{", '"name": "get_', 'weather", "arguments": {"ci', 'ty": "Ro', 'me"}', "}"]
+    outs = [Out(p, "stop" if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+    events = [e for e in _chunks(ChatStream("c", "m", tools=use), outs) if e]
+    chunks = [ChatCompletionChunk.model_validate(json.loads(e.removeprefix("data: "))) for e in events]
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather" and calls[0].index == 0
+    assert all(t.id is None and t.function.name is None for t in calls[1:])
+    assert "".join(t.function.arguments for t in calls) == '{"city": "Rome"}'
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+
+
+def test_a_required_call_cut_by_max_tokens_ends_with_length():
+    use = ToolUse.of(chat(tools=[WEATHER]).tools, "required")
+    stream = ChatStream("c", "m", tools=use)
+    events = [stream.chunk([Out('{"name": "get_weather", "arguments": {"city": "Ro')]),
+              stream.chunk([Out('me"}', "length")])]
+    last = ChatCompletionChunk.model_validate(json.loads(events[-1].removeprefix("data: ")))
+    assert last.choices[0].finish_reason == "length"
+    assert last.choices[0].delta.tool_calls[0].function.arguments == 'me"}'  # all sent: it is not the call's end
 
 
 def test_streamed_text_under_auto_is_not_held():
