@@ -26,6 +26,7 @@ BENCH_TARGETS: dict[str, str] = {
     "autoscale": "bench.autoscale",
     "startup": "bench.startup",
     "grammar": "bench.grammar",
+    "structured": "bench.structured",
 }
 
 

@@ -538,3 +538,26 @@ def wait_baseline(duet: Duet, pool: str, timeout: float = 120) -> dict[str, dict
     except AssertionError as e:
         raise AssertionError(f"{e}; live {sorted(live_replicas(pool))}, last stats {last}") from None
     return idle
+
+
+def decode_decisions() -> dict[str, float]:
+    """Decode routing decisions so far, by replica, from this session's Ray metrics
+    agent (the decode router in the gateway counts each `generate` it places)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "ray_duet_router_decisions_total" and sample.labels.get("pool") == "decode":
+                replica = sample.labels["replica"]
+                out[replica] = out.get(replica, 0.0) + sample.value
+    return out
+
+
+def placed_since(before: dict[str, float]) -> str | None:
+    """The decode replica that got the one decision made since `before` (a stats call
+    would not tell: Serve sends it to the least busy replica, not the serving one)."""
+    grown = [r for r, n in decode_decisions().items() if n > before.get(r, 0.0)]
+    return grown[0] if len(grown) == 1 else None

@@ -12,10 +12,11 @@ import time
 import httpx
 import pytest
 from duet_cluster import (
-    METRICS_PORT,
+    decode_decisions,
     gateway_counter,
     kill_replica,
     live_replicas,
+    placed_since,
     wait_for,
     wait_idle,
     wait_replicas,
@@ -25,28 +26,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.cluster("resilient")]
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}], "max_tokens": 160,
         "temperature": 0, "ignore_eos": True, "stream": True}
-
-
-def _decode_decisions() -> dict[str, float]:
-    """Decode routing decisions so far, by replica, from this session's Ray metrics
-    agent (the decode router in the gateway counts each `generate` it places)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "ray_duet_router_decisions_total" and sample.labels.get("pool") == "decode":
-                replica = sample.labels["replica"]
-                out[replica] = out.get(replica, 0.0) + sample.value
-    return out
-
-
-def _placed_since(before: dict[str, float]) -> str | None:
-    """The decode replica that got the one decision made since `before` (a stats call
-    would not tell: Serve sends it to the least busy replica, not the serving one)."""
-    grown = [r for r, n in _decode_decisions().items() if n > before.get(r, 0.0)]
-    return grown[0] if len(grown) == 1 else None
 
 
 def _logged_migrations(request_ids: set[str]) -> list[str]:
@@ -89,12 +68,12 @@ def test_a_decode_replica_killed_mid_stream_does_not_end_the_stream(duet):
     reference, _ = _stream(duet)
     before = gateway_counter(duet, "duet_migrations_total")
     # The reference stream's decision was made (and exported) seconds ago.
-    placed = _decode_decisions()
+    placed = decode_decisions()
     killed: list[str] = []
 
     def kill_at_tenth(request_id: str, n: int) -> None:
         if n == 10 and not killed:
-            replica = wait_for(lambda: _placed_since(placed), 30, interval=0.1,
+            replica = wait_for(lambda: placed_since(placed), 30, interval=0.1,
                                what=f"the decode replica serving {request_id}")
             kill_replica(replica)
             killed.append(replica)
