@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request, TokenLogprob
-from engine.structured import apply_bitmask
+from engine.structured import GrammarMatcher, apply_bitmask
 
 
 @dataclass
@@ -60,8 +60,10 @@ def apply_grammars(logits: torch.Tensor, reqs: list[Request]) -> None:
         return
     vocab = logits.shape[1]
     bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
-    for j, i in enumerate(rows):
-        reqs[i].grammar.fill_bitmask(bitmask, j)  # type: ignore[union-attr]
+    GrammarMatcher.fill_bitmasks([reqs[i].grammar for i in rows], bitmask)  # type: ignore[misc]
+    if len(rows) == len(reqs):
+        apply_bitmask(logits, bitmask)
+        return
     index = torch.tensor(rows, device=logits.device)
     masked = logits.index_select(0, index)
     apply_bitmask(masked, bitmask)

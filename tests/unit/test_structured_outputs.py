@@ -132,3 +132,30 @@ async def test_the_matcher_is_compiled_off_the_engine_thread(make_engine, chat):
         ae.shutdown()
     json.loads(text)
     assert len(built_on) == 1 and built_on[0] != "duet-engine", built_on  # the engine thread's name
+
+
+def test_the_bitmask_is_applied_bit_for_bit_and_filled_in_parallel_as_row_by_row(engine, chat):
+    import torch
+
+    from engine.structured import GrammarMatcher, apply_bitmask
+
+    vocab = 100
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(3, vocab)
+    want = logits.clone()
+    for r in range(3):
+        for t in range(vocab):
+            if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                want[r, t] = float("-inf")
+    apply_bitmask(logits, bitmask)
+    assert torch.equal(logits, want)
+
+    spec = StructuredOutput.json_schema(PERSON)
+    prefix = engine.tokenizer.encode('{"name": "Al')
+    matchers = [engine.grammars.matcher(spec, prefix[:k]) for k in (0, 2, len(prefix))]
+    words = (engine.model_config.vocab_size + 31) // 32
+    parallel, one_by_one = torch.zeros(3, words, dtype=torch.int32), torch.zeros(3, words, dtype=torch.int32)
+    GrammarMatcher.fill_bitmasks(matchers, parallel)
+    for i, m in enumerate(matchers):
+        m.fill_bitmask(one_by_one, i)
+    assert torch.equal(parallel, one_by_one) and not torch.equal(parallel[0], parallel[2])
