@@ -54,7 +54,7 @@ def apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
 
 def apply_grammars(logits: torch.Tensor, reqs: list[Request]) -> None:
     """Structured outputs, in place: each grammar row keeps only the tokens its grammar
-    allows next (one bitmask for those rows, filled row by row)."""
+    allows next (one bitmask for those rows, filled on llguidance's threads)."""
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
     if not rows:
         return
