@@ -22,55 +22,17 @@ from duet_cluster import (
     wait_for,
     wait_replicas,
 )
+from sse import data_events
+
+from bench.structured import ASKS, MAX_TOKENS, SCHEMAS
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster("resilient")]
 
-# Bounded strings and arrays: every document fits in MAX_TOKENS, so each request must
-# end with "stop" (a complete document), sampled or not.
-MAX_TOKENS = 200
-SCHEMAS = {
-    "employee": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 20},
-            "age": {"type": "integer", "minimum": 18, "maximum": 70},
-            "role": {"enum": ["engineer", "designer", "manager"]},
-            "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                                         "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                        "required": ["city", "zip"], "additionalProperties": False},
-        },
-        "required": ["name", "age", "role", "address"],
-        "additionalProperties": False,
-    },
-    "shopping": {
-        "type": "object",
-        "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-            "type": "object",
-            "properties": {"product": {"type": "string", "maxLength": 12},
-                           "quantity": {"type": "integer", "minimum": 1, "maximum": 9}},
-            "required": ["product", "quantity"], "additionalProperties": False}}},
-        "required": ["items"],
-        "additionalProperties": False,
-    },
-    "review": {
-        "type": "object",
-        "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5},
-                       "sentiment": {"enum": ["positive", "neutral", "negative"]},
-                       "recommend": {"type": "boolean"},
-                       "summary": {"type": "string", "maxLength": 24}},
-        "required": ["stars", "sentiment", "recommend", "summary"],
-        "additionalProperties": False,
-    },
-}
-PROMPTS = {
-    "employee": "Invent an employee of a small company.",
-    "shopping": "Write a short shopping list.",
-    "review": "Review a restaurant you liked.",
-}
-
-
 def _body(name: str, i: int, stream: bool) -> dict:
-    return {"messages": [{"role": "user", "content": f"{PROMPTS[name]} Answer in JSON. (#{i})"}],
+    """Request `i` for a schema of `duet bench structured`: its strings and arrays are
+    bounded, so every document fits in MAX_TOKENS and each request must end with "stop"
+    (a complete document), sampled or not."""
+    return {"messages": [{"role": "user", "content": f"{ASKS[name]} Answer in JSON. (#{i})"}],
             "max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": i, "stream": stream,
             "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}}}
 
@@ -85,11 +47,7 @@ def _chat(url: str, body: dict, on_chunk=None) -> tuple[str, str | None]:
     text, finish, n = "", None, 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
+        for event in data_events(r):
             choice = event["choices"][0]
             text += choice["delta"].get("content") or ""
             finish = choice["finish_reason"] or finish

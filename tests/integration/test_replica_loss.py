@@ -5,7 +5,6 @@ decode replica removed by a scale-down finishes its streams first (no migration)
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -21,6 +20,7 @@ from duet_cluster import (
     wait_idle,
     wait_replicas,
 )
+from sse import data_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster("resilient")]
 
@@ -43,17 +43,13 @@ def _logged_migrations(request_ids: set[str]) -> list[str]:
     return hits
 
 
-def _stream(duet, on_chunk=None) -> tuple[str, list[str]]:
+def _stream(duet, on_chunk=None) -> tuple[str, list[dict]]:
     """(text, events) of one streamed chat; `on_chunk(id, n_chunks)` after each content chunk."""
     text, events, n = "", [], 0
     with httpx.stream("POST", f"{duet.url}/v1/chat/completions", json=CHAT, timeout=300) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            events.append(line)
-            assert "error" not in event, event
+        for event in data_events(r):
+            events.append(event)
             delta = event["choices"][0]["delta"].get("content") if event.get("choices") else None
             if delta:
                 text += delta
@@ -82,7 +78,7 @@ def test_a_decode_replica_killed_mid_stream_does_not_end_the_stream(duet):
     assert killed, "the stream ended before its 10th chunk"
     assert text == reference
     assert gateway_counter(duet, "duet_migrations_total") - before == 1
-    rid = json.loads(events[0][6:])["id"]
+    rid = events[0]["id"]
     wait_for(lambda: _logged_migrations({rid}), 30, what="the migration in the gateway's log")
     wait_replicas("decode", 2)
     wait_idle(duet, timeout=60)
@@ -114,7 +110,7 @@ def test_scaling_down_drains_the_replica_it_stops(deployer, duet):
 
     def client(i: int) -> None:
         texts[i], events = _stream(duet, lambda rid, n: started[i].set())
-        ids[i] = json.loads(events[0][6:])["id"]
+        ids[i] = events[0]["id"]
 
     # One stream per decode replica: the router sends the second where nothing runs.
     threads = []

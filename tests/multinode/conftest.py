@@ -9,13 +9,13 @@ cluster (duet-*, 10.77.0.0/24) is left alone.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from dataclasses import dataclass
 
 import pytest
 from mn_cluster import REDIS_PORT, REPO
+from sse import data_events
 
 from cluster import netns
 
@@ -91,11 +91,7 @@ def chat():
         text, prompt_tokens = "", -1
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                assert "error" not in event, event
+            for event in data_events(r):
                 for choice in event.get("choices", []):
                     text += choice["delta"].get("content") or ""
                 if event.get("usage"):
