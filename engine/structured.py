@@ -63,13 +63,9 @@ class StructuredOutput:
     def grammar(self) -> str:
         """llguidance's grammar text; an invalid spec is an `InvalidRequest` naming `param`."""
         try:
-            grammar = _grammar(self.kind, self.spec)
+            return _grammar(self.kind, self.spec)
         except ValueError as e:
             raise InvalidRequest(self.param, f"invalid {self.kind.replace('_', ' ')}: {e}") from e
-        error = llguidance.LLMatcher.validate_grammar(grammar)
-        if error:
-            raise InvalidRequest(self.param, f"invalid {self.kind.replace('_', ' ')}: {error}")
-        return grammar
 
     def validate(self) -> None:
         self.grammar()
@@ -77,14 +73,21 @@ class StructuredOutput:
 
 @lru_cache(maxsize=256)
 def _grammar(kind: Kind, spec: str) -> str:
+    """The grammar text of a spec, validated once (the gateway, the pools' admission
+    checks and each matcher all ask for it; an invalid one raises and is not cached)."""
     match kind:
         case "json_object" | "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec or _ANY_OBJECT, defaults=_JSON_OPTIONS)
+            text = llguidance.LLMatcher.grammar_from_json_schema(spec or _ANY_OBJECT, defaults=_JSON_OPTIONS)
         case "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec)
+            text = llguidance.LLMatcher.grammar_from_regex(spec)
         case "choice":
-            return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in json.loads(spec)))
-    raise ValueError(f"unknown structured output kind {kind!r}")
+            text = llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in json.loads(spec)))
+        case _:
+            raise ValueError(f"unknown structured output kind {kind!r}")
+    error = llguidance.LLMatcher.validate_grammar(text)
+    if error:
+        raise ValueError(error)
+    return text
 
 
 class GrammarMatcher:

@@ -80,22 +80,6 @@ class MergedDelta:
     num_output_tokens: int = 0
 
 
-def merge_deltas_of(merged: Sequence[MergedDelta]) -> MergedDelta:
-    """Merged deltas merged again (their text, tokens, logprobs and finish)."""
-    m = MergedDelta()
-    for d in merged:
-        m.text += d.text
-        m.token_ids.extend(d.token_ids)
-        if d.logprobs is not None:
-            m.logprobs = (m.logprobs or []) + d.logprobs
-        m.finish_reason = d.finish_reason or m.finish_reason
-        m.num_prompt_tokens = max(m.num_prompt_tokens, d.num_prompt_tokens)
-        if m.num_cached_tokens < 0:
-            m.num_cached_tokens = d.num_cached_tokens
-        m.num_output_tokens = max(m.num_output_tokens, d.num_output_tokens)
-    return m
-
-
 def merge_deltas(deltas: Iterable[Delta]) -> MergedDelta:
     m = MergedDelta()
     for d in deltas:
@@ -242,7 +226,7 @@ class ChatStream(_Stream):
         self._sent_role = False
         self.tools = tools
         self._call = CallStream() if tools is not None and tools.choice != "auto" else None
-        self._held: list[MergedDelta] | None = [] if tools is not None and self._call is None else None
+        self._held: list[Delta] | None = [] if tools is not None and self._call is None else None
 
     def chunk(self, deltas: Sequence[Delta]) -> str:
         """One SSE event for a batch of deltas; "" when it would carry nothing."""
@@ -255,8 +239,8 @@ class ChatStream(_Stream):
                 return ""
             return self._event(DeltaMessage(tool_calls=pieces or None), m, finish)
         if self._held is not None and self.tools is not None:
-            self._held.append(m)
-            m = merge_deltas_of(self._held)
+            self._held.extend(deltas)
+            m = merge_deltas(self._held)
             if m.finish_reason is None and (self.tools.choice != "auto" or m.text.lstrip()[:1] in ("", "{")):
                 return ""
             self._held = None
