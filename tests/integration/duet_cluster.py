@@ -71,6 +71,7 @@ MAX_BODY_BYTES = 8192
 CHAOS_REDIS_PORT = 6394
 CHAOS_REQUEST_TIMEOUT_S = 90.0
 CHAOS_MAX_TOKENS = 24
+FUZZ_MAX_TOKENS = 2
 
 # The "autoscaling" cluster's TTFT SLO and capacity profile.
 AUTOSCALE_TTFT_SLO_MS = 1500
@@ -142,12 +143,20 @@ CLUSTERS: dict[str, dict] = {
     },
     # ... or disk alone (it outlives a replica).
     "tiers-disk": {**TIERS_BASE, "cache.disk_path": str(KV_DISK_DIR), "cache.disk_bytes": 1 << 30},
+    # The fuzzer's (test_gateway_fuzz.py): 128-token contexts, at most 2 completion tokens
+    # and 2 choices, a 90 s request deadline. Most fuzzed bodies that validate ask for
+    # the most tokens allowed, and generating them was most of the fuzzer's time.
+    "fuzz": {
+        "engine.max_model_len": 128,
+        "gateway.request_timeout_s": CHAOS_REQUEST_TIMEOUT_S,
+        "gateway.max_tokens": FUZZ_MAX_TOKENS,
+        "gateway.max_n": 2,
+    },
     # Two replicas per pool, so a lost one can be survived (tests kill replicas: last).
     "resilient": {"prefill.replicas": 2, "decode.replicas": 2},
-    # The soak's and the fuzzer's: two replicas per pool, the Redis prefix index, CPU and
+    # The soak's: two replicas per pool, the Redis prefix index, CPU and
     # Redis KV tiers (16-token chunks: the prompts are short), a 90 s request deadline,
-    # 128-token contexts, at most 24 completion tokens and 2 choices (so fuzzed requests
-    # stay short).
+    # 128-token contexts, at most 24 completion tokens and 2 choices.
     "chaos": {
         "engine.max_model_len": 128,
         "prefill.replicas": 2,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from duet_cluster import wait_baseline
+from duet_cluster import FUZZ_MAX_TOKENS, wait_baseline
 
-pytestmark = [pytest.mark.integration, pytest.mark.cluster("chaos")]
+pytestmark = [pytest.mark.integration, pytest.mark.cluster("fuzz")]
 
 ST = str(Path(sys.executable).with_name("st"))
 EXAMPLES = 30  # per endpoint and phase
@@ -64,8 +64,8 @@ def test_fuzzing_the_openapi_schema_finds_no_server_error(duet, tmp_path):
         assert run.returncode == 0, out
 
     r = httpx.post(f"{duet.url}/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0})
+        "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": FUZZ_MAX_TOKENS, "temperature": 0})
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 4
+    assert r.json()["usage"]["completion_tokens"] == FUZZ_MAX_TOKENS
     for pool in duet.pool_names():
         wait_baseline(duet, pool)
