@@ -23,7 +23,7 @@ lint: setup
 	bash scripts/lint.sh
 
 test-unit: setup
-	$(PY) -m pytest -m unit -q
+	$(PY) -m pytest -m unit -q -n 2
 
 bench: setup
 	$(VENV)/bin/duet bench engine --json out/bench_engine.json

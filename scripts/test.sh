@@ -14,7 +14,9 @@ stage() {  # stage NAME COMMAND...: run it and say how long it took
 }
 stage lint bash scripts/lint.sh
 if [ -x scripts/redis.sh ]; then bash scripts/redis.sh start || echo "redis unavailable: its tests will skip"; fi
-stage unit "$VENV/bin/python" -m pytest -m unit -q -p no:cacheprovider
+# Two workers: unit tests run torch on one thread (tests/unit/conftest.py), so one
+# process leaves a core idle.
+stage unit "$VENV/bin/python" -m pytest -m unit -q -p no:cacheprovider -n 2 --durations=8
 # Separate invocations: the integration session owns one Ray cluster until it ends,
 # and e2e starts `duet serve`, which brings up (and tears down) a Ray of its own.
 stage integration "$VENV/bin/python" -m pytest -m integration -q -p no:cacheprovider --durations=12 tests/integration
