@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from bench.closed_loop import closed_loop
 from bench.machine_ceilings import cpu_flags
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -86,33 +87,6 @@ def prompts(engine: Engine, n: int) -> list[tuple[list[int], str]]:
     return out
 
 
-def closed_loop(engine: Engine, work: list[tuple[list[int], SamplingParams]], concurrency: int) -> dict:
-    """Run `work` with `concurrency` requests in flight; output tok/s, TTFT p50 and each
-    request's output length (in `work` order)."""
-    todo = list(enumerate(work))[::-1]
-    started: dict[str, tuple[int, float]] = {}
-    first: dict[str, float] = {}
-    lengths = [0] * len(work)
-    ttft = []
-    out_tokens = 0
-    t0 = time.perf_counter()
-    while todo or started:
-        while todo and len(started) < concurrency:
-            i, (ids, sp) = todo.pop()
-            started[engine.add_request(ids, sp)] = (i, time.perf_counter())
-        for out in engine.step():
-            now = time.perf_counter()
-            out_tokens += len(out.new_token_ids)
-            if out.new_token_ids and out.request_id not in first:
-                first[out.request_id] = now
-            if out.finished:
-                i, begin = started.pop(out.request_id)
-                ttft.append(1000 * (first.pop(out.request_id, now) - begin))
-                lengths[i] = out.num_output_tokens
-    wall = time.perf_counter() - t0
-    return {"output_tok_s": out_tokens / wall, "ttft_p50_ms": statistics.median(ttft), "lengths": lengths}
-
-
 def point(engine: Engine, concurrency: int, n: int) -> dict:
     work = prompts(engine, n)
     constrained = [(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
@@ -122,6 +96,8 @@ def point(engine: Engine, concurrency: int, n: int) -> dict:
     free = [(ids, SamplingParams(max_tokens=max(1, length), temperature=0, ignore_eos=True))
             for (ids, _), length in zip(work, c["lengths"])]
     f = closed_loop(engine, free, concurrency)
+    for run in (c, f):
+        del run["tokens"]
     return {"concurrency": concurrency, "requests": n, "constrained": c, "free": f,
             "ratio": c["output_tok_s"] / f["output_tok_s"]}
 

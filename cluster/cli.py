@@ -27,6 +27,7 @@ BENCH_TARGETS: dict[str, str] = {
     "startup": "bench.startup",
     "grammar": "bench.grammar",
     "structured": "bench.structured",
+    "speculative": "bench.speculative",
 }
 
 

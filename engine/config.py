@@ -13,6 +13,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.speculative import SpeculativeConfig
+
 Role = Literal["aggregated", "prefill", "decode"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -126,6 +128,8 @@ class EngineConfig(BaseModel):
     # Outputs per streamed item after the first (engine/async_engine.py): 1 sends
     # every token as it comes; more trades smoothness for CPU at high concurrency.
     stream_interval: int = Field(1, ge=1)
+    # Speculative decoding in the roles that decode (engine/speculative.py); off by default.
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @model_validator(mode="after")
     def _limits(self) -> EngineConfig:

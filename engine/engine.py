@@ -31,7 +31,8 @@ from engine.quant import activation_dtype
 from engine.request import FinishReason, Request, RequestMetrics, RequestOutput, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequest, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.speculative import NgramProposer, accepted_prefix
 from engine.stats import EngineStats
 from engine.structured import GrammarMatcher, Grammars
 from engine.tokenizer import load_tokenizer
@@ -105,7 +106,10 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, cfg.block_size, decode_kernel)
         self.block_pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, cfg.block_size, self.model_fingerprint)
-        self.scheduler = Scheduler(self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        spec = cfg.speculative
+        self.proposer = NgramProposer(spec) if spec.enabled and role != "prefill" else None
+        self.scheduler = Scheduler(self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   self._propose if self.proposer is not None else None)
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer.hf, model_cfg.vocab_size)
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -117,6 +121,11 @@ class Engine:
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self.num_steps = 0
+        # Speculative decoding's counters: draft tokens scored and accepted, and the
+        # (request, step) pairs that verified drafts.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_verify_steps = 0
         self._failed_steps = 0  # steps in a row in which every scheduled request failed
 
     # ------------------------------------------------------------ identity
@@ -259,16 +268,49 @@ class Engine:
                 raise RuntimeError(f"{self._failed_steps} engine steps in a row failed every request")
             return outputs
         self._failed_steps = 0
-        to_sample = [s.request for s in sched.scheduled if s.samples]  # before commit moves progress
+        sampling = [s for s in sched.scheduled if s.samples]  # before commit moves progress
         self.scheduler.commit(sched)
         self.num_steps += 1
-        if to_sample:
-            for req, tok, lp in self._sample(logits, to_sample, outputs):
+        if sampling:
+            for s, tokens, logprobs in self._sample(logits, sampling, outputs):
                 try:
-                    outputs.append(self._append_token(req, tok, lp))
+                    outputs.append(self._append_sampled(s, tokens, logprobs))
                 except Exception as e:
-                    outputs.append(self._fail(req, e))
+                    outputs.append(self._fail(s.request, e))
         return outputs
+
+    def _propose(self, req: Request, most: int, num_decoding: int) -> list[int]:
+        """Draft tokens for one decode (the scheduler's hook), leaving room for the
+        sampled token within the request's max_tokens and the context."""
+        assert self.proposer is not None
+        if num_decoding > self.proposer.cfg.max_batch_size:
+            return []
+        sp = req.sampling
+        room = min(most, sp.max_tokens - req.num_output_tokens - 1, self.cfg.max_model_len - req.num_tokens - 1)
+        return self.proposer.propose(req, room)
+
+    def _append_sampled(self, s: ScheduledRequest, tokens: list[int], logprobs: list) -> RequestOutput:
+        """A plain step's one token, or a verified draft's accepted run plus the
+        model's next token, as one output."""
+        req = s.request
+        draft = s.draft_token_ids
+        if not draft:
+            return self._append_token(req, tokens[0], logprobs[0])
+        accepted = accepted_prefix(draft, tokens)
+        req.num_draft_tokens += len(draft)
+        req.num_accepted_tokens += accepted
+        self.num_draft_tokens += len(draft)
+        self.num_accepted_tokens += accepted
+        self.num_verify_steps += 1
+        out = self._append_token(req, tokens[0], logprobs[0])
+        for i in range(1, accepted + 1):
+            if out.finished:
+                break
+            out = _merged(out, self._append_token(req, tokens[i], logprobs[i]))
+        if not out.finished:  # the accepted drafts' KV was written in this step
+            req.num_computed_tokens += accepted
+            self.kv_manager.cache_computed_blocks(req)
+        return out
 
     def _execute(self, sched: SchedulerOutput, outputs: list[RequestOutput]):
         """(what ran, its logits). When the batch raises, each request runs alone: those
@@ -299,20 +341,25 @@ class Engine:
                 outputs.append(self._fail(s.request, e if bad else first_error))
             return SchedulerOutput(), None
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], outputs: list[RequestOutput]):
-        """(request, token, logprob) for each request; one whose sampling raises fails alone."""
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest], outputs: list[RequestOutput]):
+        """(scheduled request, tokens, logprobs) for each: one token, or one per scored
+        draft position plus one. A request whose sampling raises fails alone."""
+        rows = [s.request for s in sampling for _ in range(s.num_sampled_rows)]
         try:
-            sampled = self.sampler(logits, reqs)
-            return list(zip(reqs, sampled.token_ids, sampled.logprobs))
+            sampled = self.sampler(logits, rows)
+            return list(_by_request(sampling, sampled.token_ids, sampled.logprobs))
         except Exception:
-            log.exception("sampling %d requests failed; sampling them one by one", len(reqs))
+            log.exception("sampling %d requests failed; sampling them one by one", len(sampling))
         out = []
-        for i, req in enumerate(reqs):
+        start = 0
+        for s in sampling:
+            n = s.num_sampled_rows
             try:
-                one = self.sampler(logits[i : i + 1], [req])
-                out.append((req, one.token_ids[0], one.logprobs[0]))
+                part = self.sampler(logits[start : start + n], [s.request] * n)
+                out.append((s, part.token_ids, part.logprobs))
             except Exception as e:
-                outputs.append(self._fail(req, e))
+                outputs.append(self._fail(s.request, e))
+            start += n
         return out
 
     def _fail(self, req: Request, error: BaseException) -> RequestOutput:
@@ -413,6 +460,9 @@ class Engine:
             external_kv_loaded_tokens=ext.loaded_tokens,
             external_kv_load_failures=ext.load_failures,
             external_kv_errors=ext.errors,
+            spec_draft_tokens=self.num_draft_tokens,
+            spec_accepted_tokens=self.num_accepted_tokens,
+            spec_verify_steps=self.num_verify_steps,
             request_ids=tuple(r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)),
         )
 
@@ -452,6 +502,25 @@ class Engine:
         return [results[r] for r in rids]
 
 
+def _by_request(sampling: list[ScheduledRequest], tokens: list[int], logprobs: list):
+    start = 0
+    for s in sampling:
+        n = s.num_sampled_rows
+        yield s, tokens[start : start + n], logprobs[start : start + n]
+        start += n
+
+
+def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of the same request in one step."""
+    first.new_token_ids = first.new_token_ids + then.new_token_ids
+    first.text += then.text
+    if first.logprobs is not None and then.logprobs is not None:
+        first.logprobs = first.logprobs + then.logprobs
+    first.finished, first.finish_reason = then.finished, then.finish_reason
+    first.num_output_tokens, first.metrics = then.num_output_tokens, then.metrics
+    return first
+
+
 def _metrics(req: Request) -> RequestMetrics:
     return RequestMetrics(
         arrival_time=req.arrival_time,
@@ -460,4 +529,6 @@ def _metrics(req: Request) -> RequestMetrics:
         finished_time=time.monotonic(),
         num_preemptions=req.num_preemptions,
         cached_tokens_by_source=dict(req.cached_tokens_by_source),
+        num_draft_tokens=req.num_draft_tokens,
+        num_accepted_tokens=req.num_accepted_tokens,
     )

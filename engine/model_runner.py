@@ -53,7 +53,7 @@ class ModelRunner:
         start = len(ids)
         for s in sched.prefills:
             r, n, c = s.request, s.num_new_tokens, s.request.num_computed_tokens
-            ids.extend(r.token_ids[c : c + n])
+            ids.extend(s.input_token_ids)
             pos.extend(range(c, c + n))
             table = torch.tensor(r.block_ids[: -(-(c + n) // bs)], dtype=torch.long, device=dev)
             chunks.append(PrefillChunk(start, n, c, table))
@@ -85,7 +85,7 @@ class ModelRunner:
         for s in sched.scheduled:
             row += s.num_new_tokens
             if s.samples:
-                logits_idx.append(row - 1)
+                logits_idx.extend(range(row - s.num_sampled_rows, row))
         return input_ids, positions, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev)
 
     def score(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:

@@ -54,6 +54,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     cached_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding (engine/speculative.py): draft tokens scored, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -102,6 +105,8 @@ class RequestMetrics:
     finished_time: float
     num_preemptions: int
     cached_tokens_by_source: dict[str, int]
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens scored, and accepted
+    num_accepted_tokens: int = 0
 
     @property
     def queue_s(self) -> float:

@@ -6,12 +6,17 @@ admitted in (priority, arrival) order while the budget, `max_num_seqs` and the
 block pool allow. When blocks run out, the lowest-priority running request not yet
 scheduled this step is preempted by recompute: its blocks are freed and it goes
 back to the head of the queue with its generated tokens kept.
+
+With speculative decoding, a decode may carry draft tokens (engine/speculative.py):
+it then runs as a chunk of its pending token plus the drafts, when the budget and
+the pool have room for them, and as a plain decode otherwise.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager, PrefixMatch
@@ -21,18 +26,37 @@ from engine.request import FinishReason, Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # rows in the step, draft tokens included
+    # Speculative decoding: tokens guessed to follow the sequence, scored in this step
+    # after its pending token; `commit` advances past the pending token only.
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_sequence_tokens(self) -> int:
+        """Rows that are already the sequence's tokens (not drafts)."""
+        return self.num_new_tokens - len(self.draft_token_ids)
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        c = self.request.num_computed_tokens
+        return self.request.token_ids[c : c + self.num_sequence_tokens] + self.draft_token_ids
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so a token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_sequence_tokens == self.request.num_tokens
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows whose logits a chunk that `samples` samples: its last sequence row, and
+        one per draft token."""
+        return 1 + len(self.draft_token_ids)
 
 
 @dataclass
 class SchedulerOutput:
     decodes: list[ScheduledRequest] = field(default_factory=list)  # one new token each
-    prefills: list[ScheduledRequest] = field(default_factory=list)  # chunks of > 1 token
+    prefills: list[ScheduledRequest] = field(default_factory=list)  # chunks of > 1 token (drafts too)
     preempted: list[str] = field(default_factory=list)
 
     @property
@@ -46,8 +70,12 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue and the running set; decides each step's batch."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 propose: Callable[[Request, int, int], list[int]] | None = None):
+        """`propose(request, most_tokens, num_decoding)`: draft tokens for a decode
+        (speculative decoding), or None for none ever."""
         self.kv = kv
+        self.propose = propose
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -95,9 +123,12 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, n, scheduled, out):
+            draft = self._draft(req, budget, len(decoding)) if n == 1 else []
+            if draft:
+                n += len(draft)
+            elif not self._allocate_or_preempt(req, n, scheduled, out):
                 continue
-            (out.decodes if n == 1 else out.prefills).append(ScheduledRequest(req, n))
+            (out.decodes if n == 1 else out.prefills).append(ScheduledRequest(req, n, draft))
             scheduled.add(req.request_id)
             budget -= n
             if req.first_scheduled_time is None:  # imported KV: its first step
@@ -126,6 +157,16 @@ class Scheduler:
             budget -= n
         return out
 
+    def _draft(self, req: Request, budget: int, num_decoding: int) -> list[int]:
+        """Draft tokens for decode `req` whose slots are allocated, or [] (then the
+        caller schedules a plain decode). Never preempts: a draft is optional."""
+        if self.propose is None or budget < 2:
+            return []
+        draft = self.propose(req, budget - 1, num_decoding)
+        if draft and not self.kv.allocate_slots(req, 1 + len(draft)):
+            return []
+        return draft
+
     def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(req, n):
             candidates = [r for r in self.running if r.request_id not in scheduled]
@@ -150,7 +191,7 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             before = req.num_computed_tokens
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += s.num_sequence_tokens
             self.kv.cache_computed_blocks(req)
             if before < req.num_prompt_tokens <= req.num_computed_tokens:
                 self.kv.store_external(req)

@@ -34,6 +34,11 @@ class EngineStats:
     external_kv_loaded_tokens: int = 0
     external_kv_load_failures: int = 0
     external_kv_errors: int = 0
+    # Speculative decoding: draft tokens scored and accepted, and the (request, step)
+    # pairs that verified drafts (accepted + verify steps = the tokens those made).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
     # The requests the queue counts above count (waiting, then running): a router
     # takes off those it has seen finish since this snapshot was taken.
     request_ids: tuple[str, ...] = ()

@@ -81,6 +81,10 @@ PREEMPTIONS = _c("duet_preemptions_total", "Sequences preempted for lack of KV b
 PREFIX_HIT_TOKENS = _c("duet_prefix_cache_hit_tokens_total", "Prompt tokens found in the replica's own prefix cache")
 PREFIX_QUERIED_TOKENS = _c("duet_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the prefix cache")
 TIER_HIT_TOKENS = _c("duet_kv_tier_hit_tokens_total", "Prompt tokens loaded from an LMCache tier", ("tier",))
+SPEC_DRAFT_TOKENS = _c("duet_spec_draft_tokens_total", "Speculative draft tokens scored by the model")
+SPEC_ACCEPTED_TOKENS = _c("duet_spec_accepted_tokens_total", "Speculative draft tokens the model accepted")
+SPEC_VERIFY_STEPS = _c("duet_spec_verify_steps_total",
+                       "Request-steps that verified drafts (accepted tokens / these + 1 = tokens per such step)")
 # ---------------------------------------------------------------- KV transfer (decode side)
 TRANSFER_BYTES = _c("duet_kv_transfer_bytes_total", "KV bytes pulled from prefill", ("backend",))
 TRANSFER_SECONDS = _h("duet_kv_transfer_seconds", "Duration of one KV pull", ("backend",))
@@ -207,6 +211,9 @@ class EngineStatsReporter:
         self._count(PREFIX_QUERIED_TOKENS, "prefix_cache_queried_tokens", s)
         for tier in self._TIERS:
             self._count(TIER_HIT_TOKENS, f"kv_tier_{tier}_hit_tokens", s, tier=tier)
+        self._count(SPEC_DRAFT_TOKENS, "spec_draft_tokens", s)
+        self._count(SPEC_ACCEPTED_TOKENS, "spec_accepted_tokens", s)
+        self._count(SPEC_VERIFY_STEPS, "spec_verify_steps", s)
         if "leases_active" in s:  # a prefill replica's exporter
             r.set(LEASES_ACTIVE, s["leases_active"])
             self._count(LEASES_GRANTED, "leases_granted", s)

@@ -37,6 +37,12 @@ class EngineRequestMetrics(Protocol):
     def cached_tokens_by_source(self) -> dict[str, int]: ...
 
     @property
+    def num_draft_tokens(self) -> int: ...
+
+    @property
+    def num_accepted_tokens(self) -> int: ...
+
+    @property
     def queue_s(self) -> float: ...
 
 
@@ -51,7 +57,8 @@ class ReplicaTelemetry:
 
     def engine_request(self, span: Span, m: EngineRequestMetrics | None) -> None:
         """Queue wait into the histogram; on `span`: queue and compute child spans and
-        the request's engine attributes (cached tokens by source, preemptions)."""
+        the request's engine attributes (cached tokens by source, preemptions, and the
+        speculative draft tokens scored and accepted)."""
         if m is None:
             return
         self.metrics.observe(metrics.QUEUE_WAIT, m.queue_s)
@@ -69,6 +76,9 @@ class ReplicaTelemetry:
             attrs["duet.compute_to_first_token_ms"] = round((m.first_token_time - m.first_scheduled_time) * 1e3, 3)
         for source, n in m.cached_tokens_by_source.items():
             attrs[f"duet.cached_tokens.{source}"] = n
+        if m.num_draft_tokens:  # speculative decoding
+            attrs["duet.spec.draft_tokens"] = m.num_draft_tokens
+            attrs["duet.spec.accepted_tokens"] = m.num_accepted_tokens
         tracing.set_attributes(span, attrs)
 
     async def traced(self, span: Span, batches: AsyncGenerator[list, None]) -> AsyncGenerator[list, None]:

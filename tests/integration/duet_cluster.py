@@ -67,6 +67,9 @@ REQUEST_TIMEOUT_S = 10.0
 CORS_ORIGIN = "https://app.example"
 MAX_BODY_BYTES = 8192
 
+# The "torch" and "aggregated" clusters' speculative decoding.
+SPECULATIVE = {"method": "ngram", "num_tokens": 4}
+
 # The "chaos" cluster's private Redis (prefix index and KV tier), which its soak restarts.
 CHAOS_REDIS_PORT = 6394
 CHAOS_REQUEST_TIMEOUT_S = 90.0
@@ -91,8 +94,10 @@ KV_DISK_DIR = Path(tempfile.gettempdir()) / "duet-test-kv-disk"
 CLUSTERS: dict[str, dict] = {
     # No migration or prefill retry: a killed replica's request fails (test_failures.py).
     "nixl": {"gateway.max_migrations": 0, "gateway.prefill_retries": 0},
-    "torch": {"transfer.backend": "torch"},
-    "aggregated": {"mode": "aggregated"},
+    # N-gram speculative decoding in the pools that decode: every greedy test of these
+    # two proves it exact through a served path (test_cluster_api.py).
+    "torch": {"transfer.backend": "torch", "engine.speculative": SPECULATIVE},
+    "aggregated": {"mode": "aggregated", "engine.speculative": SPECULATIVE},
     # Short leases (TTL path) and a decode pool too small for long prompts (reject path).
     "small": {"transfer.lease_ttl_s": 3.0, "decode.num_kv_blocks": 4},
     # API keys, one request in flight and 1,100 tokens a minute per key, 8 KiB bodies,

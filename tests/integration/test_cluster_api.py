@@ -27,6 +27,8 @@ MAX_TOKENS = 24
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The three primary colors are"
 PERSON_CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
+# A prompt whose continuation recurs in it: n-gram speculation drafts, and is accepted.
+REPEATING = "alpha beta gamma delta river mountain " * 6
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                           "required": ["city"], "additionalProperties": False}}}
@@ -45,7 +47,8 @@ def reference() -> dict[str, tuple]:
     """(text, completion tokens, finish reason) of the single-process fp32 engine, and
     under "banned" (text, logit_bias) of the completion with its first token banned, and
     under "structured" (text, finish reason) of a JSON-schema chat, under "tool_call" the
-    call a required tool choice makes."""
+    call a required tool choice makes, and under "repeating" (text, tokens) of a
+    completion that speculation drafts for."""
     torch.set_num_threads(1)  # the replicas use the other core
     engine = Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=1024))
     chat_text = engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
@@ -68,6 +71,8 @@ def reference() -> dict[str, tuple]:
     sp.temperature = 0
     (call,) = engine.generate([tool_ids], sp)
     out["tool_call"] = json.loads(call.text)
+    (rep,) = engine.generate([engine.tokenizer.encode(REPEATING)], SamplingParams(max_tokens=32, temperature=0))
+    out["repeating"] = (rep.text, len(rep.token_ids))
     del engine
     torch.set_num_threads(1)
     return out
@@ -198,6 +203,21 @@ def test_n_choices_whole_and_streamed(duet, reference, setup):
     ends = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
     assert ends == {0: "length", 1: "length", 2: "length"}
     assert chunks[-1].usage.completion_tokens == 3 * 8
+
+
+@pytest.mark.parametrize("setup", [p for p in SETUPS if p.values[0] != "nixl"])
+def test_speculative_decoding_is_exact_through_the_pool_that_decodes(duet, reference, setup):
+    """These clusters decode with n-gram speculation; its tokens are the single-process
+    engine's (which does not speculate), and the decoding replica counts its drafts."""
+    assert duet.cfg.engine.speculative.method == "ngram"
+    pool = "decode" if duet.cfg.mode == "disaggregated" else "aggregated"
+    before = duet.stats(pool)
+    text, tokens = reference["repeating"]
+    r = client(duet).completions.create(model=SMOLLM2_ID, prompt=REPEATING, max_tokens=32, temperature=0)
+    assert (r.choices[0].text, r.usage.completion_tokens) == (text, tokens)
+    after = duet.stats(pool)
+    assert after["spec_accepted_tokens"] > before["spec_accepted_tokens"]
+    assert after["spec_verify_steps"] > before["spec_verify_steps"]
 
 
 @pytest.mark.cluster("nixl")

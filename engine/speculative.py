@@ -1,0 +1,107 @@
+"""N-gram (prompt-lookup) speculative decoding: propose, then verify in one forward.
+
+A decoding request whose last few tokens appeared earlier in its own sequence
+(prompt or output) is guessed to continue the way they continued then. The engine
+runs the request's pending token and those draft tokens as one chunk of the step, so
+the model scores every draft position in the same forward, and `verify` keeps the
+longest run the model agrees with, plus the model's own next token.
+
+Verification samples each position from the request's own distribution, exactly as
+an unspeculated step would, and accepts a draft token only if the sample equals it.
+With a point-mass draft that is the standard rejection rule (accept with p(x); on
+rejection the residual max(p - q, 0) is p with x removed, which is what the sample
+already is), so outputs keep the model's distribution; greedy outputs are identical
+to no speculation. A seeded request draws one sample per scored position, so its
+output is reproducible but not the same draw as without speculation.
+
+Speculation pays when a step is bound by reading the weights (small batches): extra
+rows then cost little. It is off above `max_batch_size` running requests, for rows
+whose sampling depends on earlier tokens of the same step (penalties, grammars), and
+for a request whose acceptance stays below `min_acceptance`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.request import Request
+
+
+class SpeculativeConfig(BaseModel):
+    """The `engine.speculative` section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # "ngram": drafts from the request's own earlier tokens (prompt lookup). "none": off.
+    method: Literal["none", "ngram"] = "none"
+    # Most draft tokens per request per step.
+    num_tokens: int = Field(4, ge=1, le=32)
+    # The longest and shortest suffix searched for earlier in the sequence (longest first).
+    prompt_lookup_max: int = Field(4, ge=1)
+    prompt_lookup_min: int = Field(2, ge=1)
+    # Speculate only while at most this many requests run: a larger batch already keeps
+    # the cores busy, and the extra rows would cost compute instead of saving steps.
+    max_batch_size: int = Field(4, ge=1)
+    # After `probe_tokens` drafted tokens, a request that accepted fewer than this
+    # share of them stops speculating.
+    min_acceptance: float = Field(0.3, ge=0.0, le=1.0)
+    probe_tokens: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+def ngram_draft(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to `k` tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens, trying n from `max_n` down to `min_n`; [] when none recurs."""
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = list(tokens[size - n :])
+        last = suffix[-1]
+        # Scan end positions right to left: the latest match is the likeliest continuation.
+        for end in range(size - 2, n - 2, -1):
+            if tokens[end] == last and list(tokens[end - n + 1 : end + 1]) == suffix:
+                return list(tokens[end + 1 : end + 1 + k])
+    return []
+
+
+class NgramProposer:
+    """Decides which requests speculate and drafts their tokens."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.cfg = cfg
+
+    def eligible(self, req: Request) -> bool:
+        """Whether `req` may speculate at all: its rows sample independently of the
+        tokens before them in the same step, and its acceptance has not proved low."""
+        if req.sampling.needs_penalties or req.grammar is not None or req.stop_after_first_token:
+            return False
+        drafted, cfg = req.num_draft_tokens, self.cfg
+        return drafted < cfg.probe_tokens or req.num_accepted_tokens >= cfg.min_acceptance * drafted
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        """Draft tokens for `req`'s next step, at most `limit` (the step's room)."""
+        k = min(self.cfg.num_tokens, limit)
+        if k <= 0 or not self.eligible(req):
+            return []
+        return ngram_draft(req.token_ids, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max, k)
+
+
+def accepted_prefix(draft: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many draft tokens the verification samples accept (the leading run where the
+    sample at a position equals the draft token there). `sampled` has one more entry
+    than `draft`: the token after the last draft position."""
+    n = 0
+    while n < len(draft) and sampled[n] == draft[n]:
+        n += 1
+    return n
