@@ -3,8 +3,8 @@
 A decoding request whose last few tokens appeared earlier in its own sequence
 (prompt or output) is guessed to continue the way they continued then. The engine
 runs the request's pending token and those draft tokens as one chunk of the step, so
-the model scores every draft position in the same forward, and `verify` keeps the
-longest run the model agrees with, plus the model's own next token.
+the model scores every draft position in the same forward; the engine keeps the
+longest run the model agrees with (`accepted_prefix`), plus the model's own next token.
 
 Verification samples each position from the request's own distribution, exactly as
 an unspeculated step would, and accepts a draft token only if the sample equals it.
@@ -15,7 +15,7 @@ to no speculation. A seeded request draws one sample per scored position, so its
 output is reproducible but not the same draw as without speculation.
 
 Speculation pays when a step is bound by reading the weights (small batches): extra
-rows then cost little. It is off above `max_batch_size` running requests, for rows
+rows then cost little. It is off above `max_batch_size` decoding requests, for rows
 whose sampling depends on earlier tokens of the same step (penalties, grammars), and
 for a request whose acceptance stays below `min_acceptance`.
 """
@@ -42,7 +42,7 @@ class SpeculativeConfig(BaseModel):
     # The longest and shortest suffix searched for earlier in the sequence (longest first).
     prompt_lookup_max: int = Field(4, ge=1)
     prompt_lookup_min: int = Field(2, ge=1)
-    # Speculate only while at most this many requests run: a larger batch already keeps
+    # Speculate only while at most this many requests decode: a larger batch already keeps
     # the cores busy, and the extra rows would cost compute instead of saving steps.
     max_batch_size: int = Field(4, ge=1)
     # After `probe_tokens` drafted tokens, a request that accepted fewer than this
