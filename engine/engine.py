@@ -107,9 +107,9 @@ class Engine:
         self.block_pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, cfg.block_size, self.model_fingerprint)
         spec = cfg.speculative
-        self.proposer = NgramProposer(spec) if spec.enabled and role != "prefill" else None
+        proposer = NgramProposer(spec, cfg.max_model_len) if spec.enabled and role != "prefill" else None
         self.scheduler = Scheduler(self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self._propose if self.proposer is not None else None)
+                                   proposer.propose if proposer is not None else None)
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer.hf, model_cfg.vocab_size)
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -278,16 +278,6 @@ class Engine:
                 except Exception as e:
                     outputs.append(self._fail(s.request, e))
         return outputs
-
-    def _propose(self, req: Request, most: int, num_decoding: int) -> list[int]:
-        """Draft tokens for one decode (the scheduler's hook), leaving room for the
-        sampled token within the request's max_tokens and the context."""
-        assert self.proposer is not None
-        if num_decoding > self.proposer.cfg.max_batch_size:
-            return []
-        sp = req.sampling
-        room = min(most, sp.max_tokens - req.num_output_tokens - 1, self.cfg.max_model_len - req.num_tokens - 1)
-        return self.proposer.propose(req, room)
 
     def _append_sampled(self, s: ScheduledRequest, tokens: list[int], logprobs: list) -> RequestOutput:
         """A plain step's one token, or a verified draft's accepted run plus the

@@ -78,8 +78,9 @@ def ngram_draft(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[i
 class NgramProposer:
     """Decides which requests speculate and drafts their tokens."""
 
-    def __init__(self, cfg: SpeculativeConfig) -> None:
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int) -> None:
         self.cfg = cfg
+        self.max_model_len = max_model_len
 
     def eligible(self, req: Request) -> bool:
         """Whether `req` may speculate at all: its rows sample independently of the
@@ -89,12 +90,17 @@ class NgramProposer:
         drafted, cfg = req.num_draft_tokens, self.cfg
         return drafted < cfg.probe_tokens or req.num_accepted_tokens >= cfg.min_acceptance * drafted
 
-    def propose(self, req: Request, limit: int) -> list[int]:
-        """Draft tokens for `req`'s next step, at most `limit` (the step's room)."""
-        k = min(self.cfg.num_tokens, limit)
-        if k <= 0 or not self.eligible(req):
+    def propose(self, req: Request, most: int, num_decoding: int) -> list[int]:
+        """Draft tokens for decode `req`'s next step (the scheduler's hook): at most
+        `most` (the step's room), none while more than `max_batch_size` requests
+        decode, and leaving room for the sampled token within the request's
+        max_tokens and the context."""
+        cfg = self.cfg
+        if num_decoding > cfg.max_batch_size or not self.eligible(req):
             return []
-        return ngram_draft(req.token_ids, self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max, k)
+        room = req.sampling.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1
+        k = min(cfg.num_tokens, most, *room)
+        return ngram_draft(req.token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k) if k > 0 else []
 
 
 def accepted_prefix(draft: Sequence[int], sampled: Sequence[int]) -> int:

@@ -104,17 +104,17 @@ def test_above_the_batch_limit_nothing_speculates(make_engine, base_engine):
 
 
 def test_a_request_whose_drafts_fail_stops_drafting():
-    proposer = NgramProposer(SpeculativeConfig(method="ngram", min_acceptance=0.5, probe_tokens=8))
+    proposer = NgramProposer(SpeculativeConfig(method="ngram", min_acceptance=0.5, probe_tokens=8), 2048)
     req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=8, temperature=0))
-    assert proposer.propose(req, 4) == [3, 1, 2]
+    assert proposer.propose(req, 4, 1) == [3, 1, 2]
     req.num_draft_tokens, req.num_accepted_tokens = 7, 0
-    assert proposer.propose(req, 4)  # still probing
+    assert proposer.propose(req, 4, 1)  # still probing
     req.num_draft_tokens, req.num_accepted_tokens = 8, 4
-    assert proposer.propose(req, 4)  # half accepted: enough
+    assert proposer.propose(req, 4, 1)  # half accepted: enough
     req.num_accepted_tokens = 3
-    assert proposer.propose(req, 4) == []  # below the bar after the probe: off
-    assert NgramProposer(SpeculativeConfig(method="ngram")).propose(
-        Request("s", [1, 2, 1, 2], SamplingParams(max_tokens=8)), 0) == []  # no room
+    assert proposer.propose(req, 4, 1) == []  # below the bar after the probe: off
+    assert NgramProposer(SpeculativeConfig(method="ngram"), 2048).propose(
+        Request("s", [1, 2, 1, 2], SamplingParams(max_tokens=8)), 0, 1) == []  # no room
 
 
 def test_preemption_and_prefix_hits_keep_outputs_equal(make_engine, base_engine):
