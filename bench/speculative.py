@@ -2,14 +2,14 @@
 
     duet bench speculative [--concurrency 1 8] [--requests 4] [--runs 3] [--json F]
 
-Two workloads, each run two ways one after the other on in-process engines that share
-one set of weights (greedy, `Engine` driven directly, no HTTP):
+Three workloads, each run two ways one after the other on in-process engines that
+share one set of weights (`Engine` driven directly, no HTTP):
 
 - **extractive**: chat prompts that hand the model a text and ask for it back word for
   word. Each text is the embedded model's own greedy answer to a question, so the
   answer copies long spans of the prompt: the case prompt lookup is for.
 - **random**: prompts of random vocabulary tokens with forced-length greedy answers
-  (`ignore_eos`), as `duet bench efficiency` uses. The small model's greedy
+  (`ignore_eos`). The small model's greedy
   continuation of noise soon loops, and a loop is what prompt lookup drafts best.
 - **sampled**: the same prompts sampled at temperature 1 (seeded): the output rarely
   repeats, so drafts are few and mostly rejected, and the gate turns them off. This
