@@ -65,6 +65,7 @@ def _redis(redis, cmd: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.timeout(1500)  # ~6 min here, with room for a slower machine
 def test_chaos_soak_loses_nothing(cluster_redis, duet):
     wait_replicas("prefill", 2)
     wait_replicas("decode", 2)

@@ -14,9 +14,11 @@ import time
 from collections import Counter
 
 import pytest
-from duet_cluster import APP_NAME, Duet, fresh_handle, prompt, shut_down, wait_for
+from duet_cluster import APP_NAME, Duet, describe_router, fresh_handle, prompt, shut_down, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.cluster("kv-routing")]
+
+CALL_TIMEOUT_S = 60.0  # one prefill on this 2-core machine takes well under a second
 
 SYSTEM = prompt(320, 7)  # a hot system prompt: 20 blocks
 
@@ -41,7 +43,11 @@ async def prefill_direct(handle, ids: list[int]):
     from kvtransfer.messages import PrefillRequest
 
     req = PrefillRequest(f"t-{random.getrandbits(48):x}", ids, SamplingParams(max_tokens=4, temperature=0))
-    result = await handle.prefill.remote(req)
+    try:  # a call this driver's router never places fails the test, not the suite
+        result = await asyncio.wait_for(handle.prefill.remote(req), CALL_TIMEOUT_S)
+    except TimeoutError:
+        raise AssertionError(f"prefill unanswered after {CALL_TIMEOUT_S:.0f} s; "
+                             f"this driver's router: {describe_router(handle)}") from None
     reject_now(result)
     return result
 
@@ -186,7 +192,10 @@ def test_a_restarted_router_keeps_routing_by_prefix(duet, new_router):
 
 
 def test_removing_a_replica_clears_its_entries(deployer, duet, new_router):
-    """The driver's router was running before the resize: it sees the replica leave."""
+    """A router that was running before the resize sees the replica leave: it forgets
+    it, and its entries leave the shared index. Serve pushes the new replica set to
+    every router (this driver's and the gateway's) without a request, so the test waits
+    for that state and sends nothing through the resized pool."""
     index = _index(duet)
     h = new_router()
 
@@ -197,23 +206,11 @@ def test_removing_a_replica_clears_its_entries(deployer, duet, new_router):
     wait_for(lambda: holders <= index.replicas(), 10, interval=0.1, what=f"{sorted(holders)} in the index")
     before = index.replicas()
     deployer("kv-routing", {"prefill.replicas": 1})  # returns once only the one replica runs
-
-    async def touch():  # the router sees the new replica set
-        await prefill_direct(h, prompt(40, 4242))
-
-    async def current():
-        return (await h.stats.remote())["replica_id"]
-
-    # Resizing drains one replica and keeps the other (cluster/serve_config.py); every
-    # one that left must be gone from the index.
-    running = asyncio.run(current())
-
-    def cleared() -> bool:
-        if not index.replicas() - {running}:
-            return True
-        asyncio.run(touch())
-        return False
-
-    wait_for(cleared, 30, interval=0.5, what=f"only {running} in the index")
+    # Resizing drains one replica and keeps the other (cluster/serve_config.py).
+    running = duet.stats("prefill")["replica_id"]
+    driver_router = request_router(h)
+    wait_for(lambda: driver_router._known == {running}, 60, interval=0.2,
+             what=f"this driver's router to know only {running} ({describe_router(h)})")
+    wait_for(lambda: not index.replicas() - {running}, 30, interval=0.2, what=f"only {running} in the index")
     for rid in before - {running}:
         assert not index._client.exists(f"{duet.cfg.router.index_key_prefix}:r:{rid}")
