@@ -38,7 +38,8 @@ class AggregatedServer:
             "gen_ai.usage.input_tokens": req.num_prompt_tokens,
         })
         try:
-            stream = await self.aengine.add_request(req.request_id, list(req.prompt_token_ids), req.sampling)
+            stream = await self.aengine.add_request(req.request_id, list(req.prompt_token_ids), req.sampling,
+                                                    req.cache_salt)
         except BaseException as e:
             tracing.end_span(span, e)
             raise

@@ -70,7 +70,7 @@ class DecodeServer:
         tracing.set_attributes(span, {"duet.import_wait_ms": round((time.monotonic() - started) * 1e3, 3)})
         try:
             stream = await self.aengine.add_imported_request(
-                req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, imported.take
+                req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, imported.take, req.cache_salt
             )
         except BaseException:
             imported.discard()  # the engine never took them (cancelled first, or it refused)

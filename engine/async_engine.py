@@ -136,13 +136,13 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ typed commands
     async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None
     ) -> AsyncGenerator[list[RequestOutput], None]:
         """Start a request from its prompt; its stream of output batches."""
         eng = self.engine
         grammar = await self._grammar(sampling, [])
         return await self.add(request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id,
-                                                                  grammar=grammar))
+                                                                  grammar=grammar, cache_salt=cache_salt))
 
     async def add_imported_request(
         self,
@@ -151,6 +151,7 @@ class AsyncEngine:
         first_token: int,
         sampling: SamplingParams,
         take_blocks: Callable[[], list[int] | None],
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[list[RequestOutput], None]:
         """Start a request whose prompt KV was imported: `take_blocks` hands over the
         blocks holding it (None: recompute the prompt here), on the engine thread and
@@ -163,7 +164,8 @@ class AsyncEngine:
         def start() -> None:
             blocks = take_blocks()
             try:
-                eng.add_imported_request(request_id, prompt_token_ids, first_token, sampling, blocks, grammar=grammar)
+                eng.add_imported_request(request_id, prompt_token_ids, first_token, sampling, blocks, grammar=grammar,
+                                         cache_salt=cache_salt)
             except Exception:
                 if blocks is not None:
                     eng.release_blocks(blocks)

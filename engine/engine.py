@@ -175,9 +175,11 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         grammar: GrammarMatcher | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """`grammar`: the structured output's matcher, when the caller compiled it off
-        this thread (`grammars.matcher`); built here otherwise."""
+        this thread (`grammars.matcher`); built here otherwise. `cache_salt`: the
+        request's KV namespace (engine/hashing.py `chain_root`)."""
         sampling = sampling or SamplingParams()
         sampling.validate()
         sampling.check_vocab(self.model_config.vocab_size)
@@ -185,7 +187,8 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.scheduler.requests or request_id in self._detoks:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
-        req = Request(request_id, ids, sampling, priority, stop_after_first_token=self.role == "prefill")
+        req = Request(request_id, ids, sampling, priority, stop_after_first_token=self.role == "prefill",
+                      cache_salt=cache_salt)
         self._start(req, grammar=grammar)
         return request_id
 
@@ -231,14 +234,16 @@ class Engine:
         block_ids: list[int] | None,
         num_cached_tokens: int = 0,
         grammar: GrammarMatcher | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Join the running batch with the prompt's KV already in `block_ids`; the next
         step computes the first token's KV and samples the second. `block_ids=None`
-        means the import failed: recompute the prompt here (counted by the caller)."""
+        means the import failed: recompute the prompt here (counted by the caller).
+        The imported blocks enter this pool's prefix cache under `cache_salt`'s chain."""
         sampling.validate()
         sampling.check_vocab(self.model_config.vocab_size)
         self.validate_prompt(prompt_token_ids)
-        req = Request(request_id, list(prompt_token_ids), sampling)
+        req = Request(request_id, list(prompt_token_ids), sampling, cache_salt=cache_salt)
         req.token_ids.append(first_token)
         req.num_cached_tokens = num_cached_tokens
         if block_ids is not None:

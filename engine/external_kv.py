@@ -24,10 +24,15 @@ class ExternalKVCache(Protocol):
     def chunk_size(self) -> int:
         """Tokens per chunk: the unit it stores and loads (a multiple of the block size)."""
 
-    def lookup(self, token_ids: Sequence[int]) -> int:
+    # `cache_salt` (every method): the request's KV namespace (engine/hashing.py): a
+    # chunk stored under one salt is never found under another, nor without one.
+
+    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Leading tokens of `token_ids` whose KV it holds (a multiple of chunk_size)."""
 
-    def load(self, token_ids: Sequence[int], block_ids: Sequence[int], start: int, end: int) -> int:
+    def load(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], start: int, end: int, cache_salt: str | None = None
+    ) -> int:
         """Write the KV of tokens [start, end) into `block_ids` (the request's block
         table, position p lives in block_ids[p // block_size]). `start` and `end`
         are chunk-aligned. Returns `t` such that [start, t) was written."""
@@ -36,7 +41,9 @@ class ExternalKVCache(Protocol):
     # last `load` by where they came from (e.g. {"cpu": 256, "redis": 128}); the engine
     # reads it right after `load`, on the same thread, for each request's metrics.
 
-    def store(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> object:
+    def store(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int, cache_salt: str | None = None
+    ) -> object:
         """Keep the KV of the leading full chunks of `num_tokens` computed tokens (what
         it returns is its own: the engine ignores it)."""
 

@@ -5,6 +5,11 @@ A full block of `block_size` tokens is identified by
 root. The gateway, the router, both pools and the LMCache tier all call
 :func:`block_hashes`, so a block cached anywhere is recognised everywhere.
 Python's ``hash()`` is never used: it is salted per process.
+
+A request's cache salt (a tenant's, or the client's `cache_salt`) replaces the root
+(:func:`chain_root`): every block of a salted chain differs from every block of
+another salt's, so the pool's prefix cache, the KV events, the prefix index and the
+handoff are isolated per salt without knowing about salts.
 """
 
 from __future__ import annotations
@@ -20,6 +25,19 @@ BlockHash = bytes
 ROOT_HASH: BlockHash = hashlib.sha256(b"duet-kv-root-v1").digest()
 
 
+def chain_root(cache_salt: str | None) -> BlockHash:
+    """The root of a request's hash chain: the fixed one without a salt."""
+    if not cache_salt:
+        return ROOT_HASH
+    return hashlib.sha256(ROOT_HASH + b"salt:" + cache_salt.encode()).digest()
+
+
+def salt_tag(cache_salt: str) -> str:
+    """A salt as a short hex tag, for stores that key by name (the LMCache tiers):
+    never the salt itself, which may be a secret."""
+    return hashlib.sha256(b"duet-salt-tag:" + cache_salt.encode()).hexdigest()[:32]
+
+
 def hash_block(parent: BlockHash, token_ids: Sequence[int], model_fingerprint: str) -> BlockHash:
     """Hash of one full block given its parent's hash."""
     h = hashlib.sha256(parent)
@@ -32,9 +50,10 @@ def block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     model_fingerprint: str,
-    parent: BlockHash = ROOT_HASH,
+    cache_salt: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of every *full* block of `token_ids`; a trailing partial block has none."""
+    parent = chain_root(cache_salt)
     out: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size], model_fingerprint)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.external_kv import ExternalKVCache, check_chunk_size
-from engine.hashing import ROOT_HASH, hash_block
+from engine.hashing import chain_root, hash_block
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class KVCacheManager:
         bs = self.block_size
         while (len(req.block_hashes) + 1) * bs <= req.num_tokens:
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else ROOT_HASH
+            parent = req.block_hashes[-1] if req.block_hashes else chain_root(req.cache_salt)
             req.block_hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs], self.model_fingerprint))
 
     def computed_blocks(self, req: Request) -> list[int]:
@@ -92,7 +92,7 @@ class KVCacheManager:
         pool_tokens = len(blocks) * self.block_size
         self.external_stats.lookups += 1
         try:
-            found = ext.lookup(req.token_ids[: req.num_tokens - 1])
+            found = ext.lookup(req.token_ids[: req.num_tokens - 1], req.cache_salt)
         except Exception:  # the tier is an optimisation; never fail a request on it
             log.exception("external KV lookup failed")
             self.external_stats.errors += 1
@@ -107,7 +107,8 @@ class KVCacheManager:
         stops where the load stopped, and the scheduler computes the rest."""
         assert self.external is not None  # a match with an external part came from it
         try:
-            end = self.external.load(req.token_ids, req.block_ids, match.external_start, match.external_end)
+            end = self.external.load(req.token_ids, req.block_ids, match.external_start, match.external_end,
+                                     req.cache_salt)
         except Exception:
             log.exception("external KV load failed")
             self.external_stats.errors += 1
@@ -133,7 +134,7 @@ class KVCacheManager:
             return
         self.external_stats.stores += 1
         try:
-            self.external.store(req.token_ids, req.block_ids, req.num_prompt_tokens)
+            self.external.store(req.token_ids, req.block_ids, req.num_prompt_tokens, req.cache_salt)
         except Exception:
             log.exception("external KV store failed")
             self.external_stats.errors += 1

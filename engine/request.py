@@ -37,6 +37,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # prefill role: finish after the first sampled token and keep the blocks pinned.
     stop_after_first_token: bool = False
+    # Its tenant's KV namespace (engine/hashing.py `chain_root`): no block is shared
+    # with a request of another salt, in the pool or in the external cache.
+    cache_salt: str | None = None
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

@@ -97,6 +97,9 @@ class PrefillRequest:
     sampling: SamplingParams
     session_id: str | None = None  # `x-session-id`: an affinity hint for the prefill router
     trace: TraceCarrier | None = None
+    # The tenant's KV namespace (engine/hashing.py `chain_root`): the router hashes the
+    # prompt with it, and every replica caches and looks up the request's KV under it.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
@@ -134,6 +137,7 @@ class DecodeRequest:
     sampling: SamplingParams
     kv_handle: KVHandle
     trace: TraceCarrier | None = None
+    cache_salt: str | None = None  # as in PrefillRequest: the imported blocks are cached under it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))

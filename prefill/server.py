@@ -128,7 +128,7 @@ class PrefillServer:
 
     async def _prefill(self, req: PrefillRequest, span: tracing.Span) -> PrefillResult:
         request_id = req.request_id
-        stream = await self.aengine.add_request(request_id, list(req.prompt_token_ids), req.sampling)
+        stream = await self.aengine.add_request(request_id, list(req.prompt_token_ids), req.sampling, req.cache_salt)
         final = None
         async for outs in stream:
             final = outs[-1]

@@ -10,6 +10,9 @@ Ownership: the tier never frees or allocates blocks. The caller passes a block
 table it owns for the duration of the call; `retrieve` writes into those blocks,
 `store` only reads them.
 
+Tenants: a request's cache salt becomes an LMCache key tag (`_salted`), so its chunks
+are stored and found under its salt only, in every tier.
+
 Failure policy: a Redis that does not answer is bypassed and probed again later
 (prefill/kv_tier/health.py); CPU and disk keep working.
 """
@@ -26,6 +29,7 @@ import uuid
 import torch
 
 from engine.external_kv import check_chunk_size
+from engine.hashing import salt_tag
 from prefill.kv_tier.config import KVTierConfig
 from prefill.kv_tier.connector import PagedKVConnector
 from prefill.kv_tier.health import RedisHealth
@@ -33,6 +37,8 @@ from prefill.kv_tier.lmcache_compat import patch_redis_connector_close, recover_
 from prefill.kv_tier.stats import CPU_BACKEND, DISK_BACKEND, REDIS_BACKEND, TIERS, KVTierStats
 
 log = logging.getLogger(__name__)
+
+SALT_TAG = "lmcache.tag.salt"  # LMCache puts `lmcache.tag.*` request configs in the key
 
 class KVTier:
     """Owns one replica's LMCache engine and its view of the paged KV tensor."""
@@ -118,21 +124,21 @@ class KVTier:
         if self._redis is not None:
             self._redis.check()
 
-    def _lookup_tiers(self, tokens: torch.Tensor) -> dict[str, int]:
+    def _lookup_tiers(self, tokens: torch.Tensor, cache_salt: str | None) -> dict[str, int]:
         """Cached prefix length in each tier that is on."""
         return {
-            name: self._engine.lookup(tokens, search_range=[backend])
+            name: self._engine.lookup(tokens, search_range=[backend], request_configs=_salted(cache_salt))
             for name, backend in TIERS
             if self._tier_on(backend)
         }
 
-    def lookup(self, token_ids) -> int:
+    def lookup(self, token_ids, cache_salt: str | None = None) -> int:
         """Tokens of `token_ids`' prefix available in any tier (a multiple of chunk_size)."""
         tokens = torch.as_tensor(token_ids, dtype=torch.long)
         with self._lock:
             self._check_redis()
             t0 = time.perf_counter()
-            per_tier = self._lookup_tiers(tokens)
+            per_tier = self._lookup_tiers(tokens, cache_salt)
             found = max(per_tier.values(), default=0)
             self.stats.lookups += 1
             self.stats.lookup_tokens += len(tokens)
@@ -144,7 +150,7 @@ class KVTier:
     def chunk_size(self) -> int:
         return self.config.chunk_size
 
-    def retrieve(self, token_ids, block_table, num_tokens: int, start: int = 0) -> int:
+    def retrieve(self, token_ids, block_table, num_tokens: int, start: int = 0, cache_salt: str | None = None) -> int:
         """Load the KV of tokens [start, num_tokens) into `block_table`'s blocks;
         the blocks of [0, start) are not written (they may be shared).
 
@@ -161,9 +167,10 @@ class KVTier:
         mask[:start] = False
         with self._lock:
             self._check_redis()
-            per_tier = self._lookup_tiers(tokens)
+            per_tier = self._lookup_tiers(tokens, cache_salt)
             t0 = time.perf_counter()
-            ret = self._engine.retrieve(tokens, mask=mask, block_table=_as_table(block_table))
+            ret = self._engine.retrieve(tokens, mask=mask, block_table=_as_table(block_table),
+                                        request_configs=_salted(cache_salt))
             elapsed = time.perf_counter() - t0
             loaded = start + _leading_true(ret[start:])
             self.stats.retrieves += 1
@@ -185,8 +192,8 @@ class KVTier:
             return loaded
 
     # ExternalKVCache (engine/external_kv.py): the engine's view of this tier.
-    def load(self, token_ids, block_ids, start: int, end: int) -> int:
-        return self.retrieve(token_ids, block_ids, end, start)
+    def load(self, token_ids, block_ids, start: int, end: int, cache_salt: str | None = None) -> int:
+        return self.retrieve(token_ids, block_ids, end, start, cache_salt)
 
     def as_dict(self) -> dict:
         """Flat counters for `stats()` and Prometheus (see `KVTierStats.as_dict`)."""
@@ -194,7 +201,7 @@ class KVTier:
         out["kv_tier_redis_up"] = int(self._redis.up) if self._redis is not None else None
         return out
 
-    def store(self, token_ids, block_table, num_tokens: int) -> int:
+    def store(self, token_ids, block_table, num_tokens: int, cache_salt: str | None = None) -> int:
         """Store the KV of the leading full chunks of `num_tokens` tokens.
 
         Returns the tokens handed to LMCache (already cached chunks included).
@@ -206,7 +213,7 @@ class KVTier:
         with self._lock:
             self._check_redis()
             t0 = time.perf_counter()
-            self._engine.store(tokens, block_table=_as_table(block_table))
+            self._engine.store(tokens, block_table=_as_table(block_table), request_configs=_salted(cache_salt))
             self.stats.store_s += time.perf_counter() - t0
             self.stats.stores += 1
             self.stats.stored_tokens += n
@@ -239,6 +246,12 @@ class KVTier:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _salted(cache_salt: str | None) -> dict[str, str] | None:
+    """LMCache's per-request configs for a salt: a key tag, so a salted chunk's key
+    (and its disk file and Redis key names) differs from every other salt's."""
+    return {SALT_TAG: salt_tag(cache_salt)} if cache_salt else None
 
 
 def _as_table(block_table) -> torch.Tensor:

@@ -69,6 +69,18 @@ class APIKeys:
         return key_id(token.decode())
 
 
+def cache_salt(isolation: str, key: str, requested: str | None) -> str | None:
+    """A request's KV namespace (engine/hashing.py `chain_root`) from the gateway's
+    `cache_isolation`, the caller's key id and the request's own `cache_salt`.
+
+    Under `per_key` the key comes first and a requested salt only narrows it, so no
+    request can name its way into another key's namespace. The prefixes keep every
+    combination distinct from every other."""
+    if isolation == "per_key":
+        return f"key={key};salt={requested or ''}"
+    return f"salt={requested}" if requested else None
+
+
 def rate_limited(message: str, retry_after_s: float) -> APIError:
     return APIError(429, message, RATE_LIMIT, None, "rate_limit_exceeded",
                     {"Retry-After": str(max(1, math.ceil(retry_after_s)))})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -45,5 +47,10 @@ class GatewayConfig(BaseModel):
     drain_timeout_s: float = Field(60.0, ge=0)
     # A request still running after this long ends with a 504 (its KV and leases freed).
     request_timeout_s: float | None = Field(600.0, gt=0)
+    # Whose KV a request may reuse. `per_key`: only its own API key's (each key's salt
+    # roots the block hash chain, engine/hashing.py), so one tenant cannot learn from a
+    # faster first token that another sent a prompt. `none`: everyone's, unless the
+    # request sends a `cache_salt`.
+    cache_isolation: Literal["none", "per_key"] = "none"
     # Origins a browser may call the API from; empty = CORS off (no CORS headers at all).
     cors_allow_origins: tuple[str, ...] = ()

@@ -23,7 +23,7 @@ from engine.tokenizer import load_tokenizer
 from engine.weights import served_model_name
 from kvtransfer.replica import replica_id
 from routing.openai import pipeline
-from routing.openai.access import APIKeys, KeyLimiter, check_headers, read_body
+from routing.openai.access import APIKeys, KeyLimiter, cache_salt, check_headers, read_body
 from routing.openai.config import GatewayConfig
 from routing.openai.errors import (
     APIError,
@@ -191,7 +191,7 @@ class Gateway:
         )
         call = Call(
             "chat", make_response_id("chat"), ids, sp, _session(request, req.prompt_cache_key), key, self.model_name,
-            _trace_parent(request), self._choices(req.n),
+            _trace_parent(request), self._choices(req.n), cache_salt(self.cfg.cache_isolation, key, req.cache_salt),
         )
         self.admission.check(call)
         tools = req.tool_use()
@@ -223,7 +223,7 @@ class Gateway:
         )
         call = Call(
             "completions", make_response_id("completion"), ids, sp, _session(request), key, self.model_name,
-            _trace_parent(request), self._choices(req.n),
+            _trace_parent(request), self._choices(req.n), cache_salt(self.cfg.cache_isolation, key, req.cache_salt),
         )
         self.admission.check(call)
         logprobs = req.logprobs is not None

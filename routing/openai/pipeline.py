@@ -144,7 +144,7 @@ class _Pass:
             yield [_first_output(result)]
             req = self.req
             call = DecodeRequest(req.request_id, req.prompt_token_ids, result.first_token, req.sampling, handle,
-                                 req.trace)
+                                 req.trace, req.cache_salt)
             stream = self.decode.options(stream=True).generate.remote(call)
             finished = False  # the request's final output came through
             try:

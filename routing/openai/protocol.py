@@ -167,6 +167,10 @@ class _SamplingRequest(_Request):
     # Token ids (JSON object keys, so strings) -> a bias in [-100, 100].
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     user: str | None = None
+    # (ext) vLLM's: the request's KV is cached and found under this salt only, so a
+    # prompt cached by a caller without it shows no timing difference to this one. Under
+    # `gateway.cache_isolation: per_key` it partitions the caller's key's namespace.
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # Structured outputs: at most one of these four.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | None = None  # (ext) a JSON schema

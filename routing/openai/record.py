@@ -43,6 +43,7 @@ class Call:
     model: str  # the served model name
     trace_parent: Context | None = None  # the client's `traceparent`, if it sent one
     n: int = 1  # choices: each one a sequence of its own in the pools
+    cache_salt: str | None = None  # its KV namespace (routing/openai/access.py `cache_salt`)
 
     @property
     def cost(self) -> int:
@@ -59,7 +60,7 @@ class Call:
         sp = self.sampling
         if index and sp.seed is not None:
             sp = dataclasses.replace(sp, seed=(sp.seed + index + 2**63) % 2**64 - 2**63)
-        return PrefillRequest(self.choice_id(index), tuple(self.prompt_ids), sp, self.session, trace)
+        return PrefillRequest(self.choice_id(index), tuple(self.prompt_ids), sp, self.session, trace, self.cache_salt)
 
 
 class Admission:

@@ -306,7 +306,7 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
         # Let completion callbacks already queued on this loop run first, so a request
         # that just finished is not counted as load.
         await asyncio.sleep(0)
-        hashes = block_hashes(prompt, self.block_size, self.model_fingerprint)
+        hashes = block_hashes(prompt, self.block_size, self.model_fingerprint, req.cache_salt)
         if self.index_kind == "redis":
             matched = await asyncio.to_thread(self.index.match, hashes)
         else:

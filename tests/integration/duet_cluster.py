@@ -101,9 +101,10 @@ CLUSTERS: dict[str, dict] = {
     # Short leases (TTL path) and a decode pool too small for long prompts (reject path).
     "small": {"transfer.lease_ttl_s": 3.0, "decode.num_kv_blocks": 4},
     # API keys, one request in flight and 1,100 tokens a minute per key, 8 KiB bodies,
-    # 10 s per request, 40 header fields, one CORS origin.
+    # 10 s per request, 40 header fields, one CORS origin, each key's KV its own.
     "secure": {
         "gateway.api_keys_file": str(KEYS_FILE),
+        "gateway.cache_isolation": "per_key",
         "gateway.max_in_flight_per_key": 1,
         "gateway.tokens_per_minute_per_key": TOKENS_PER_MINUTE,
         "gateway.max_body_bytes": MAX_BODY_BYTES,
@@ -505,9 +506,11 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-def complete(duet: Duet, ids: list[int], max_tokens: int = 8, timeout: float = 120) -> dict:
-    """One greedy completion of the token ids `ids` (the response body)."""
-    body = json.dumps({"model": "smollm2-135m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0}).encode()
+def complete(duet: Duet, ids: list[int], max_tokens: int = 8, timeout: float = 120, **fields) -> dict:
+    """One greedy completion of the token ids `ids` (the response body); `fields` are
+    more request fields (e.g. `cache_salt`)."""
+    body = json.dumps({"model": "smollm2-135m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                       **fields}).encode()
     req = urllib.request.Request(f"{duet.base_url}/completions", body, {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())

@@ -2,7 +2,8 @@
 every generation endpoint, 413 for a body over the cap, 431 for too many headers, 429
 with Retry-After for a key's second request in flight and for its token budget, 504
 past the request deadline (with everything it held freed); CORS only for the
-configured origin; probes stay open; and no refused request costs a KV block."""
+configured origin; probes stay open; no refused request costs a KV block; and under
+`cache_isolation: per_key` one key's cached prompt is no hit for another key."""
 
 from __future__ import annotations
 
@@ -106,3 +107,22 @@ def test_a_request_past_its_deadline_ends_with_a_504_and_frees_everything(duet):
     error = json.loads(events[-1])["error"]
     assert error["code"] == "timeout" and f"{REQUEST_TIMEOUT_S:g} s" in error["message"]
     wait_idle(duet)
+
+
+def test_one_keys_cached_prompt_is_no_hit_for_another_key(duet):
+    """`cache_isolation: per_key`: the same prompt is cached per key, so a second key
+    sees a cold prefill (no timing difference to learn from); a `cache_salt` narrows a
+    key's namespace further."""
+    body = {"prompt": list(range(2000, 2080)), "max_tokens": 2, "temperature": 0}  # 5 blocks of 16
+
+    def cached(key: str, **fields) -> tuple[int, str]:
+        r = _post(duet, "/v1/completions", {**body, **fields}, key)
+        assert r.status_code == 200, r.text
+        details = r.json()["usage"].get("prompt_tokens_details") or {}
+        return details.get("cached_tokens") or 0, r.json()["choices"][0]["text"]
+
+    first, text = cached(KEY_A)
+    assert first == 0
+    assert cached(KEY_A) == (64, text)  # the key's own repeat: 4 of 5 blocks (the last token is computed)
+    assert cached(KEY_B) == (0, text)
+    assert cached(KEY_A, cache_salt="project-2") == (0, text)

@@ -37,11 +37,11 @@ def make_kv(dtype=torch.float32):
     return torch.randn(NB, L, 2, BS, H, D, generator=g).to(dtype)
 
 
-def wait_lookup(tier: KVTier, tokens, expect: int, timeout_s: float = 10.0) -> int:
+def wait_lookup(tier: KVTier, tokens, expect: int, timeout_s: float = 10.0, cache_salt: str | None = None) -> int:
     """Stores to disk and Redis are asynchronous inside LMCache."""
     deadline = time.monotonic() + timeout_s
     while True:
-        found = tier.lookup(tokens)
+        found = tier.lookup(tokens, cache_salt)
         if found >= expect or time.monotonic() > deadline:
             return found
         time.sleep(0.05)
@@ -100,6 +100,34 @@ def test_tiers_keyed_by_model_fingerprint(tmp_path):
         wait_lookup(tier, TOKENS, STORED)
     with KVTier(cfg, make_kv(), "another-model") as tier:
         assert tier.lookup(TOKENS) == 0
+
+
+def test_a_salted_prefix_is_found_under_its_salt_only_in_every_tier(tmp_path, redis_server):
+    """Tenant isolation: the same tokens stored under one salt are a miss under another
+    salt and without one, in the CPU, disk (across a restart) and Redis tiers."""
+    disk = KVTierConfig(disk_path=str(tmp_path / "kv"), disk_bytes=64 << 20, chunk_size=CHUNK)
+    tiers = {
+        "cpu": KVTierConfig(cpu_bytes=64 << 20, chunk_size=CHUNK),
+        "disk": disk,
+        "redis": KVTierConfig(redis_url=redis_server.url + "/0", chunk_size=CHUNK, namespace="salted"),
+    }
+    for name, cfg in tiers.items():
+        kv = make_kv()
+        expected = kv[SRC_BLOCKS[:4]].clone()
+        with KVTier(cfg, kv, FP) as tier:
+            assert tier.store(TOKENS, SRC_BLOCKS, len(TOKENS), "tenant-a") == STORED
+            assert wait_lookup(tier, TOKENS, STORED, cache_salt="tenant-a") == STORED, name
+            assert tier.lookup(TOKENS, "tenant-b") == 0, name
+            assert tier.lookup(TOKENS) == 0, name
+            kv[DST_BLOCKS] = 0
+            assert tier.retrieve(TOKENS, DST_BLOCKS, len(TOKENS), cache_salt="tenant-b") == 0, name
+            assert not kv[DST_BLOCKS].any(), name
+            assert tier.retrieve(TOKENS, DST_BLOCKS, len(TOKENS), cache_salt="tenant-a") == STORED, name
+            assert torch.equal(kv[DST_BLOCKS[:4]], expected), name
+    with KVTier(disk, make_kv(), FP) as restarted:  # the salt is in the re-indexed file names
+        assert wait_lookup(restarted, TOKENS, STORED, timeout_s=2, cache_salt="tenant-a") == STORED
+        assert restarted.lookup(TOKENS, "tenant-b") == 0
+        assert restarted.lookup(TOKENS) == 0
 
 
 def test_tiers_of_other_namespaces_are_invisible(redis_server):

@@ -27,6 +27,8 @@ from duet_cluster import (  # noqa: E402
     wait_new_replica,
 )
 
+from routing.openai.access import ANONYMOUS, cache_salt  # noqa: E402
+
 pytestmark = [pytest.mark.integration, pytest.mark.cluster("tiers")]
 
 P_LEN = 600  # → 4 whole chunks (512 tokens) in the tiers
@@ -44,7 +46,8 @@ def _tier_ops(stats: dict) -> int:
     return stats["kv_tier_lookups"] + stats["kv_tier_retrieves"] + stats["kv_tier_stores"]
 
 
-def _wait_tier_holds(duet: Duet, ids: list[int], tier: dict, timeout: float = 30.0) -> None:
+def _wait_tier_holds(duet: Duet, ids: list[int], tier: dict, timeout: float = 30.0,
+                     cache_salt: str | None = None) -> None:
     """Wait until a tier (Redis or disk: the replica writes them asynchronously) holds
     the whole chunks of `ids`, read through a `KVTier` of our own with the replicas'
     model fingerprint and KV layout."""
@@ -60,7 +63,7 @@ def _wait_tier_holds(duet: Duet, ids: list[int], tier: dict, timeout: float = 30
 
     def held() -> bool:
         with KVTier(cfg, kv, expected_model_fingerprint(duet.cfg.engine)) as reader:
-            return reader.lookup(ids) >= want
+            return reader.lookup(ids, cache_salt) >= want
 
     wait_for(held, timeout, what=f"the tier {tier} holding the prompt's chunks")
 
@@ -108,6 +111,32 @@ def test_prefix_from_replica_1_served_to_replica_2_from_redis(duet, cluster_redi
     assert hit["choices"][0]["text"] == miss["choices"][0]["text"]
     assert cached_tokens(hit) >= HIT, {k: v for k, v in s.items() if k.startswith(("kv_tier", "external"))}
     assert s["kv_tier_redis_hit_tokens"] >= HIT and s["kv_tier_cpu_hit_tokens"] == 0
+
+
+def test_a_salted_prompt_is_read_from_the_tiers_under_its_salt_only(duet, cluster_redis):
+    """Tenant isolation in every tier the pool has: the prompt cached under one
+    `cache_salt` is a cold prefill under another (no tier is read), and a hit from the
+    CPU tier under its own."""
+    p = prompt(P_LEN, 7)
+    miss = complete(duet, p, cache_salt="tenant-a")
+    assert cached_tokens(miss) == 0
+    _evict(duet, 300)
+    # The namespace the gateway made of the request's salt (no keys, no per-key isolation).
+    namespace = cache_salt(duet.cfg.gateway.cache_isolation, ANONYMOUS, "tenant-a")
+    _wait_tier_holds(duet, p, {"redis_url": cluster_redis.url + "/0"}, cache_salt=namespace)
+    before = duet.stats("prefill")
+    other = complete(duet, p, cache_salt="tenant-b")
+    between = duet.stats("prefill")
+    assert cached_tokens(other) == 0
+    assert other["choices"][0]["text"] == miss["choices"][0]["text"]
+    for tier in ("cpu", "redis"):
+        assert between[f"kv_tier_{tier}_hit_tokens"] == before[f"kv_tier_{tier}_hit_tokens"], tier
+    own = complete(duet, p, cache_salt="tenant-a")
+    after = duet.stats("prefill")
+    assert after["replica_id"] == before["replica_id"]
+    assert cached_tokens(own) >= HIT
+    assert own["choices"][0]["text"] == miss["choices"][0]["text"]
+    assert after["kv_tier_cpu_hit_tokens"] - between["kv_tier_cpu_hit_tokens"] >= HIT
 
 
 def test_redis_down_is_skipped_counted_and_recovers(duet, cluster_redis):

@@ -16,7 +16,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
 
 class FakeTier:
-    """Chunks keyed by their token prefix; shared `chunks` dict = a shared tier."""
+    """Chunks keyed by their salt and token prefix; shared `chunks` dict = a shared tier."""
 
     chunk_size = CHUNK
 
@@ -25,27 +25,27 @@ class FakeTier:
         self.loads: list[tuple[int, int]] = []
         self.stores = 0
 
-    def lookup(self, token_ids) -> int:
+    def lookup(self, token_ids, cache_salt=None) -> int:
         n = 0
-        while n + CHUNK <= len(token_ids) and tuple(token_ids[: n + CHUNK]) in self.chunks:
+        while n + CHUNK <= len(token_ids) and (cache_salt, tuple(token_ids[: n + CHUNK])) in self.chunks:
             n += CHUNK
         return n
 
     def _blocks(self, block_ids, start, end):
         return torch.tensor(block_ids[start // self.bs : end // self.bs])
 
-    def load(self, token_ids, block_ids, start, end) -> int:
+    def load(self, token_ids, block_ids, start, end, cache_salt=None) -> int:
         self.loads.append((start, end))
         if self.fail_load:
             return start
         for s in range(start, end, CHUNK):
-            self.kv[self._blocks(block_ids, s, s + CHUNK)] = self.chunks[tuple(token_ids[: s + CHUNK])]
+            self.kv[self._blocks(block_ids, s, s + CHUNK)] = self.chunks[(cache_salt, tuple(token_ids[: s + CHUNK]))]
         return end
 
-    def store(self, token_ids, block_ids, num_tokens) -> None:
+    def store(self, token_ids, block_ids, num_tokens, cache_salt=None) -> None:
         self.stores += 1
         for s in range(0, num_tokens - num_tokens % CHUNK, CHUNK):
-            self.chunks.setdefault(tuple(token_ids[: s + CHUNK]),
+            self.chunks.setdefault((cache_salt, tuple(token_ids[: s + CHUNK])),
                                    self.kv[self._blocks(block_ids, s, s + CHUNK)].clone())
 
 
@@ -158,7 +158,7 @@ def test_chunk_size_must_be_a_multiple_of_block_size(make_engine):
 class SourcedTier(FakeTier):
     """Says where its last load came from, as the LMCache tier does."""
 
-    def load(self, token_ids, block_ids, start, end) -> int:
+    def load(self, token_ids, block_ids, start, end, cache_salt=None) -> int:
         got = super().load(token_ids, block_ids, start, end)
         self.last_load_sources = {"cpu": got - start}
         return got

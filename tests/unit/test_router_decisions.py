@@ -35,11 +35,11 @@ def replica(name: str, **stats) -> SimpleNamespace:
     return SimpleNamespace(replica_id=rid, routing_stats=report)
 
 
-def pending(prompt: list[int]) -> SimpleNamespace:
+def pending(prompt: list[int], cache_salt: str | None = None) -> SimpleNamespace:
     n = next(_ids)
     return SimpleNamespace(
         metadata=SimpleNamespace(internal_request_id=f"internal-{n}", call_method="prefill"),
-        args=(PrefillRequest(f"req-{n}", tuple(prompt), SamplingParams()),),
+        args=(PrefillRequest(f"req-{n}", tuple(prompt), SamplingParams(), cache_salt=cache_salt),),
         kwargs={},
     )
 
@@ -50,14 +50,14 @@ def router(**config) -> KVAwarePrefillRouter:
     return r
 
 
-def holding(prefix: list[int]) -> KVEventLog:
+def holding(prefix: list[int], cache_salt: str | None = None) -> KVEventLog:
     log = KVEventLog(BS)
-    log.extend([BlockStored(tuple(block_hashes(prefix, BS, FP)), None, len(prefix))])
+    log.extend([BlockStored(tuple(block_hashes(prefix, BS, FP, cache_salt)), None, len(prefix))])
     return log
 
 
-def choose(r: KVAwarePrefillRouter, replicas, prompt) -> tuple[str, SimpleNamespace]:
-    pr = pending(prompt)
+def choose(r: KVAwarePrefillRouter, replicas, prompt, cache_salt: str | None = None) -> tuple[str, SimpleNamespace]:
+    pr = pending(prompt, cache_salt)
     ranked = asyncio.run(r.choose_replicas(replicas, pr))
     return ranked[0][0].replica_id.unique_id, pr
 
@@ -80,6 +80,18 @@ def test_a_shared_prefix_goes_to_its_holder_even_when_its_report_is_stale():
         r.on_request_completed(a.replica_id, pr.metadata.internal_request_id)
         # The replica reported while the request was queued; that report is still current.
         a.routing_stats.update(queued_prefill_tokens=len(prompt), num_requests=1, request_ids=[pr.args[0].request_id])
+
+
+def test_a_salted_request_matches_only_its_own_salts_prefix():
+    """The router hashes the prompt with the request's salt, as the replicas do: a
+    tenant's request goes to its own cached prefix, never to another's."""
+    r = router()
+    a = replica("a", kv_log=holding(PREFIX, "tenant-a").window())
+    b = replica("b", kv_log=holding(PREFIX).window())
+    r._sync([a, b])
+    assert choose(r, [a, b], PREFIX + [1] * 30, "tenant-a")[0] == "a"
+    assert choose(r, [a, b], PREFIX + [2] * 30)[0] == "b"
+    assert r.index.match(block_hashes(PREFIX, BS, FP, "tenant-b")) == {}
 
 
 def test_a_report_of_requests_still_running_counts_as_load():
