@@ -366,6 +366,8 @@ class Engine:
         return out
 
     def _append_token(self, req: Request, token: int, logprob) -> RequestOutput:
+        if req.grammar is not None and not req.grammar.advance([token]):
+            return self._dead_end(req, token)
         req.token_ids.append(token)
         sp = req.sampling
         reason: FinishReason | None = None
@@ -373,10 +375,8 @@ class Engine:
             reason = FinishReason.STOP
         elif req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.cfg.max_model_len:
             reason = FinishReason.LENGTH
-        if req.grammar is not None:
-            req.grammar.consume([token])
-            if req.grammar.is_stopped and reason is None:  # the document is complete
-                reason = FinishReason.STOP
+        if req.grammar is not None and req.grammar.is_stopped and reason is None:  # the document is complete
+            reason = FinishReason.STOP
         text, stop_hit = self._detoks[req.request_id].add([token])
         if stop_hit:
             reason = FinishReason.STOP
@@ -386,6 +386,18 @@ class Engine:
         out.logprobs = None if logprob is None else [logprob]
         if reason is not None:
             out.text += self._finish(req, reason, None)
+        return out
+
+    def _dead_end(self, req: Request, token: int) -> RequestOutput:
+        """End a request whose grammar refused `token` (it allows nothing more). The
+        token is dropped, so the output stays a valid prefix of the grammar; the client
+        gets finish_reason `grammar_dead_end`, and the blocks are freed."""
+        assert req.grammar is not None
+        log.warning("request %s: its grammar reached a dead end at token %d: %s", req.request_id, token,
+                    req.grammar.error[:300])
+        reason = FinishReason.GRAMMAR_DEAD_END
+        out = self._output(req, [], "", reason)
+        out.text += self._finish(req, reason, None)
         return out
 
     def _finish(self, req: Request, reason: FinishReason, pending_text: str | None) -> str:

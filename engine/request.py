@@ -24,6 +24,9 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
     PREFILL_DONE = "prefill_done"  # prefill role: first token sampled, KV exported
+    # A structured output's grammar allowed no further token (its matcher failed); the
+    # output is the longest valid prefix of a document, not a whole one.
+    GRAMMAR_DEAD_END = "grammar_dead_end"
 
 
 @dataclass

@@ -112,8 +112,19 @@ class GrammarMatcher:
                                             bitmask.shape[0])
 
     def consume(self, token_ids: list[int]) -> None:
-        if not self._m.consume_tokens(token_ids) or self._m.is_error():
-            raise RuntimeError(f"the grammar refused token(s) {token_ids}: {self._m.get_error()}")
+        """Replay tokens already accepted (a prefix, a request taken over): a refusal
+        means they were never this grammar's, so it raises."""
+        if not self.advance(token_ids):
+            raise RuntimeError(f"the grammar refused token(s) {token_ids}: {self.error}")
+
+    def advance(self, token_ids: list[int]) -> bool:
+        """Take newly sampled tokens; False at a dead end (the matcher failed, e.g. on
+        one of llguidance's limits, and allows nothing more), with `error` saying why."""
+        return bool(self._m.consume_tokens(token_ids)) and not self._m.is_error()
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error() or ""
 
     @property
     def is_stopped(self) -> bool:

@@ -70,6 +70,32 @@ def test_other_rows_of_the_batch_are_untouched(engine, chat):
     json.loads(both[1].text)
 
 
+def test_a_grammar_dead_end_ends_that_request_cleanly_and_the_batch_goes_on(engine, chat):
+    """A matcher that fails mid-document (llguidance hit one of its limits; forced here
+    by feeding the real matcher a token it refuses) allows nothing more: the request
+    ends with `grammar_dead_end`, keeping the valid prefix it had, its blocks freed,
+    and the free row beside it is unchanged."""
+    free = chat("Tell me about Paris.")
+    alone = engine.generate([free], greedy(None, 12, ignore_eos=True))[0].token_ids
+    baseline = engine.stats().kv_blocks_free
+    doc = engine.add_request(chat("Describe a person as JSON."), greedy(StructuredOutput.json_schema(PERSON)))
+    other = engine.add_request(free, greedy(None, 12, ignore_eos=True))
+    outs: dict[str, list] = {doc: [], other: []}
+    for _ in range(3):  # two tokens of the document, then its matcher fails
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    matcher = engine.scheduler.requests[doc].grammar
+    assert not matcher.advance(engine.tokenizer.encode("zz"))  # the real matcher, now in its error state
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    end = outs[doc][-1]
+    assert end.finished and end.finish_reason is FinishReason.GRAMMAR_DEAD_END and not end.new_token_ids
+    assert "".join(o.text for o in outs[doc]).startswith("{")
+    assert [t for o in outs[other] for t in o.new_token_ids] == alone
+    assert engine.stats().kv_blocks_free == baseline
+
+
 def test_decode_resumes_the_grammar_after_the_first_token(make_engine, chat):
     """prefill samples the first token under the grammar; decode adopts the request
     (here recomputing the prompt) and continues the same document."""
