@@ -10,7 +10,10 @@ output lengths run three ways, one after another on the same cores:
 3. **disaggregated**: 1 prefill + 1 decode replica, driven the same way.
 
 Efficiency is a mode's output tokens/s over the in-process figure at the same
-concurrency. Each way gets its best thread count on this machine: the in-process
+concurrency. Beside them the run records the CPU's flags and this machine's ceilings
+measured in the same run (bench/machine_ceilings.py: memory read GB/s and GEMM GFLOP/s
+on the model's shapes), and the decode ceiling they give at each concurrency, so a
+figure from one day's CPU can be read against what that CPU could do. Each way gets its best thread count on this machine: the in-process
 engine `--threads` (2 on 2 cores), the aggregated replica `--served-threads` (1:
 beside the gateway, Serve's proxy, Ray and the client, a second OpenMP thread made
 it slower, docs/benchmarks.md), and each disaggregated pool its configured one.
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 
 from bench.loadgen_subprocess import run_loadgen, summarize
-from bench.machine_ceilings import cpu_flags
+from bench.machine_ceilings import cpu_flags, measure
 from cluster import serve_cli
 from cluster.config import load_config
 from engine.engine import Engine
@@ -86,16 +89,25 @@ def closed_loop(engine: Engine, prompts: list[str], output_len: int, concurrency
 
 
 def in_process(points: list[tuple[int, list[str]]], warmup: list[str], output_len: int, threads: int,
-               dtype: str) -> list[dict]:
+               dtype: str) -> tuple[list[dict], dict]:
+    """The in-process rows, and the machine's ceilings measured at the engine's threads
+    and dtype (an accelerator has none measured here)."""
     torch.set_num_threads(threads)
     cfg = load_config(overrides={"engine.dtype": dtype}).engine
     engine = Engine(cfg)
+    ceilings: dict = {}
+    if engine.device == "cpu":
+        measured = measure(engine.model_config, engine.dtype, [c for c, _ in points], cfg.weight_quant)
+        ceilings = {**measured.as_dict(),
+                    "decode_tok_s": {str(c): measured.decode_tok_s(c) for c, _ in points}}
+        print(f"  ceilings: read {measured.read_gbps:.1f} GB/s; decode tok/s bound "
+              f"{', '.join(f'c={c}: {v:.0f}' for c, v in ceilings['decode_tok_s'].items())}", flush=True)
     closed_loop(engine, warmup, 4, len(warmup))  # as loadgen's --warmup: prompts no point sends
     rows = []
     for conc, prompts in points:
         rows.append(dict(closed_loop(engine, prompts, output_len, conc), concurrency=conc))
         print(f"  in-process c={conc}: {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
-    return rows
+    return rows, ceilings
 
 
 def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], input_len: int, output_len: int,
@@ -123,12 +135,15 @@ def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], inp
 
 def table(result: dict) -> str:
     base = {r["concurrency"]: r for r in result["in_process"]}
-    lines = ["| way | conc | out tok/s | of in-process | TTFT p50 ms | TPOT p50 ms |",
-             "|---|---:|---:|---:|---:|---:|"]
+    bound = result.get("ceilings", {}).get("decode_tok_s", {})
+    lines = ["| way | conc | out tok/s | of in-process | of decode ceiling | TTFT p50 ms | TPOT p50 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for way in ("in_process", *MODES):
         for r in result.get(way, []):
             eff = r["output_tok_s"] / base[r["concurrency"]]["output_tok_s"]
-            lines.append(f"| {way} | {r['concurrency']} | {r['output_tok_s']:.1f} | {eff:.0%} | "
+            ceiling = bound.get(str(r["concurrency"]))
+            of_ceiling = f"{r['output_tok_s'] / ceiling:.0%}" if ceiling else "-"
+            lines.append(f"| {way} | {r['concurrency']} | {r['output_tok_s']:.1f} | {eff:.0%} | {of_ceiling} | "
                          f"{r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.1f} |")
     agg = {r["concurrency"]: r for r in result.get("aggregated", [])}
     dis = {r["concurrency"]: r for r in result.get("disaggregated", [])}
@@ -166,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print("in-process engine", flush=True)
     warmup = point_prompts(2, a.input_len, 4, seed=1)
-    result["in_process"] = in_process(points, warmup, a.output_len, a.threads, a.dtype)
+    result["in_process"], result["ceilings"] = in_process(points, warmup, a.output_len, a.threads, a.dtype)
     for mode in a.modes:
         print(mode, flush=True)
         result[mode] = served(mode, points, seeds, a.input_len, a.output_len, a.served_threads, a.dtype, a.port,

@@ -30,6 +30,10 @@ def test_the_table_gives_each_way_as_a_share_of_in_process_and_the_mode_ratios()
 
     text = table({"in_process": [row(1, 20.0, 50)], "aggregated": [row(1, 15.0, 100)],
                   "disaggregated": [row(1, 12.0, 110)]})
-    assert "| aggregated | 1 | 15.0 | 75% | 100 | 10.0 |" in text
-    assert "| disaggregated | 1 | 12.0 | 60% | 110 | 10.0 |" in text
+    assert "| aggregated | 1 | 15.0 | 75% | - | 100 | 10.0 |" in text
+    assert "| disaggregated | 1 | 12.0 | 60% | - | 110 | 10.0 |" in text
     assert "c=1: disaggregated/aggregated throughput 80%, TTFT p50 +10 ms" in text
+    with_ceiling = table({"in_process": [row(1, 20.0, 50)], "aggregated": [row(1, 15.0, 100)],
+                          "ceilings": {"decode_tok_s": {"1": 40.0}}})
+    assert "| in_process | 1 | 20.0 | 100% | 50% | 50 | 10.0 |" in with_ceiling
+    assert "| aggregated | 1 | 15.0 | 75% | 38% | 100 | 10.0 |" in with_ceiling
