@@ -13,7 +13,9 @@ Efficiency is a mode's output tokens/s over the in-process figure at the same
 concurrency. Beside them the run records the CPU's flags and this machine's ceilings
 measured in the same run (bench/machine_ceilings.py: memory read GB/s and GEMM GFLOP/s
 on the model's shapes), and the decode ceiling they give at each concurrency, so a
-figure from one day's CPU can be read against what that CPU could do. Each way gets its best thread count on this machine: the in-process
+figure from one day's CPU can be read against what that CPU could do.
+
+Each way gets its best thread count on this machine: the in-process
 engine `--threads` (2 on 2 cores), the aggregated replica `--served-threads` (1:
 beside the gateway, Serve's proxy, Ray and the client, a second OpenMP thread made
 it slower, docs/benchmarks.md), and each disaggregated pool its configured one.
