@@ -144,4 +144,5 @@ def build_app(cfg: ClusterConfig):
     decode = serve.deployment(DecodeServer).options(**decode_opts).bind(
         **_pool_args(cfg, cfg.decode), transfer=cfg.transfer.model_dump()
     )
-    return gateway.bind(**gateway_args, prefill=prefill, decode=decode)
+    return gateway.bind(**gateway_args, prefill=prefill, decode=decode,
+                        disaggregation=cfg.router.disaggregation.model_dump())

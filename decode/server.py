@@ -7,6 +7,11 @@ request joins the running batch with those blocks and its tokens stream back. A
 failed import fails the request with a clear error, or recomputes the prompt here
 when `transfer.on_failure: recompute` (never on a layout or backend mismatch);
 either way it is counted.
+
+For a `PrefillRequest` (the router's `disaggregation` rule chose to prefill it here,
+routing/router/disaggregation.py) the replica computes the prompt itself, chunked
+within its engine's per-step token budget beside the running batch, and streams the
+whole request: no lease, no transfer.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from engine.request import RequestOutput
 from kvtransfer.backends import backend_for
 from kvtransfer.config import TransferConfig
 from kvtransfer.handoff import KVImporter
-from kvtransfer.messages import DecodeRequest, RoutingStats
+from kvtransfer.messages import DecodeRequest, PrefillRequest, RoutingStats
 from kvtransfer.replica import node_ip, replica_id
 from telemetry import tracing
 from telemetry.replica import ReplicaTelemetry
@@ -54,13 +59,17 @@ class DecodeServer:
         self.signals = DecodeSignals()
         log.info("decode replica %s ready (backend %s)", self.replica_id, self.backend.name)
 
-    async def generate(self, req: DecodeRequest) -> AsyncIterator[list[RequestOutput]]:
+    async def generate(self, req: DecodeRequest | PrefillRequest) -> AsyncIterator[list[RequestOutput]]:
+        """The request's outputs after its first token (a `DecodeRequest`: its KV is
+        imported), or all of them (a `PrefillRequest`: prefilled here)."""
         span = tracing.start_span("decode", req.trace, SpanKind.SERVER, {
             "duet.request_id": req.request_id,
             "duet.replica": self.replica_id,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+            "duet.prefilled_here": isinstance(req, PrefillRequest),
         })
-        async with contextlib.aclosing(self.telemetry.traced(span, self._generate(req, span))) as batches:
+        steps = self._generate_local(req) if isinstance(req, PrefillRequest) else self._generate(req, span)
+        async with contextlib.aclosing(self.telemetry.traced(span, steps)) as batches:
             async for outs in batches:
                 yield outs
 
@@ -75,10 +84,26 @@ class DecodeServer:
         except BaseException:
             imported.discard()  # the engine never took them (cancelled first, or it refused)
             raise
-        async with contextlib.aclosing(stream) as outputs:  # closed with us: aborts the request now
+        async for outs in self._stream(stream, local=False):
+            yield outs
+
+    async def _generate_local(self, req: PrefillRequest) -> AsyncGenerator[list[RequestOutput], None]:
+        stream = await self.aengine.add_request(req.request_id, list(req.prompt_token_ids), req.sampling,
+                                                req.cache_salt)
+        async for outs in self._stream(stream, local=True):
+            yield outs
+
+    async def _stream(self, stream: AsyncGenerator[list[RequestOutput], None],
+                      local: bool) -> AsyncGenerator[list[RequestOutput], None]:
+        """The engine's outputs, closed with us (which aborts the request now). A finished
+        request's decoding time feeds the autoscaling signals: from its first step when
+        its KV was imported, from its first token when it was prefilled here (its
+        prefill shows as the engine's load instead)."""
+        async with contextlib.aclosing(stream) as outputs:
             async for outs in outputs:
                 if outs[-1].finished and (m := outs[-1].metrics) is not None:
-                    self.signals.request(m.first_scheduled_time, m.finished_time, outs[-1].num_output_tokens)
+                    decoding_from = m.first_token_time if local else m.first_scheduled_time
+                    self.signals.request(decoding_from, m.finished_time, outs[-1].num_output_tokens)
                 yield outs
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -60,6 +60,8 @@ IN_FLIGHT = _g("duet_requests_in_flight", "Requests inside the gateway")
 MIGRATIONS = _c("duet_migrations_total", "Requests continued on another decode replica after theirs was lost")
 GOODPUT = _g("duet_goodput_ratio", "Fraction of the last window's finished requests that met the SLO (TTFT and TPOT)")
 PREFILL_RETRIES = _c("duet_prefill_retries_total", "Prefill calls retried on another replica after theirs was lost")
+PLACEMENTS = _c("duet_disaggregation_decisions_total",
+                "Passes of requests by where their prompt was computed (router.disaggregation)", ("where", "reason"))
 # ---------------------------------------------------------------- routers (in the gateway process)
 # Autoscaling, recorded by the policy in the Serve controller (pool = the scaled pool).
 AUTOSCALE_DESIRED = _g("duet_autoscale_desired_replicas", "Replicas the autoscaling policy wants for the pool")

@@ -53,6 +53,7 @@ from routing.openai.stream import (
     merge_choices,
     sse_error,
 )
+from routing.router.disaggregation import DisaggregationConfig
 from telemetry import metrics, tracing
 from telemetry.config import TelemetryConfig
 from telemetry.tracing import Context
@@ -96,11 +97,12 @@ class Gateway:
 
     def __init__(
         self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None, telemetry: dict | None = None,
-        slo: dict | None = None,
+        slo: dict | None = None, disaggregation: dict | None = None,
     ):
-        """`gateway`, `engine`, `telemetry` and `slo` are a dumped `GatewayConfig`, the
-        pools' `EngineConfig`, a `TelemetryConfig` and an `SLOConfig`; `aggregated` set
-        means aggregated mode, else `prefill` and `decode` are the pools."""
+        """`gateway`, `engine`, `telemetry`, `slo` and `disaggregation` are a dumped
+        `GatewayConfig`, the pools' `EngineConfig`, a `TelemetryConfig`, an `SLOConfig`
+        and the router's `DisaggregationConfig`; `aggregated` set means aggregated mode,
+        else `prefill` and `decode` are the pools."""
         self.cfg = GatewayConfig.model_validate(gateway)
         self.engine_cfg = EngineConfig.model_validate(engine)
         self.mode = "aggregated" if aggregated is not None else "disaggregated"
@@ -116,6 +118,7 @@ class Gateway:
         self.signals = GatewaySignals(slo_cfg.ttft_ms, slo_cfg.tpot_ms, quantile=slo_cfg.goodput_target)
         self.keys = APIKeys.load(self.cfg.api_keys_file)
         self.resilience = pipeline.Resilience(self.cfg.max_migrations, self.cfg.prefill_retries)
+        self.placement = DisaggregationConfig.model_validate(disaggregation or {})
         self.admission = Admission(
             KeyLimiter(self.cfg.max_in_flight_per_key, self.cfg.tokens_per_minute_per_key),
             self.cfg.max_pending_requests, lambda n: self.record.set(metrics.IN_FLIGHT, n),
@@ -263,7 +266,8 @@ class Gateway:
             req = call.to_pool(record.trace, index)
             if self.aggregated is not None:
                 return pipeline.aggregated(self.aggregated, req)
-            return pipeline.disaggregated(self.prefill, self.decode, req, record.timing, self.resilience)
+            return pipeline.disaggregated(self.prefill, self.decode, req, record.timing, self.resilience,
+                                          self.placement, record.placed)
 
         return choice(0) if call.n == 1 else pipeline.merged([choice(i) for i in range(call.n)])
 

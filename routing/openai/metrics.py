@@ -14,7 +14,7 @@ from telemetry.metrics import Recorder
 GATEWAY_FAMILIES = (
     metrics.TTFT, metrics.TPOT, metrics.ITL, metrics.E2E, metrics.REQUESTS, metrics.PROMPT_TOKENS,
     metrics.CACHED_TOKENS, metrics.OUTPUT_TOKENS, metrics.IN_FLIGHT, metrics.MIGRATIONS, metrics.PREFILL_RETRIES,
-    metrics.GOODPUT,
+    metrics.GOODPUT, metrics.PLACEMENTS,
 )
 
 

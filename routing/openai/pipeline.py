@@ -2,8 +2,10 @@
 
 Disaggregated: a loop of passes (`disaggregated`); one pass (`_Pass`) is prefill →
 (first token to the client at once) → decode, which imports the KV and streams the
-rest, and says how it ended (`Outcome`): done, migrate or prefill again. Aggregated:
-one pool does both. Whatever ends the stream early (client gone, replica dead) is
+rest, and says how it ended (`Outcome`): done, migrate or prefill again. Each pass is
+placed first (`router.disaggregation`, routing/router/disaggregation.py): a pass whose
+prompt is cheaper to compute where it decodes is a `_LocalPass`, the whole request on
+one decode replica. Aggregated: one pool does both. Whatever ends the stream early (client gone, replica dead) is
 handled here: in-flight Serve calls are cancelled, and a lease nobody will pull is
 rejected (`LeaseGuard`) so prefill frees it now rather than at TTL. Nothing here reads
 gateway state: it runs wherever the request's stream is served.
@@ -28,7 +30,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -42,6 +44,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.handoff import LeaseGuard
 from kvtransfer.messages import DecodeRequest, ImportFailed, PrefillRequest, PrefillResult, RejectReason
 from routing.openai.errors import deadline_exceeded
+from routing.router.disaggregation import DisaggregationConfig, Placement, Where, choose_placement
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,8 @@ _SOURCE_LOST = (RejectReason.TRANSFER_FAILED, RejectReason.LEASE_EXPIRED)
 # has no live replica: a lost node, nowhere to place a new one). This much later
 # still: a pull begun just before the lease ended is bounded by transfer.timeout_s.
 _DECODE_START_GRACE_S = 15.0
+# Every request through the prefill pool (router.disaggregation's default).
+_ALWAYS = DisaggregationConfig()
 
 
 @dataclass
@@ -94,11 +99,13 @@ class Outcome(StrEnum):
 
 
 async def disaggregated(
-    prefill_handle, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience = Resilience()
+    prefill_handle, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience = Resilience(),
+    placement: DisaggregationConfig = _ALWAYS, placed: Callable[[Placement], None] | None = None,
 ) -> AsyncIterator[list[RequestOutput]]:
     """The request's output batches across as many passes as replica losses need: each
     pass continues from every token the client has been sent (`req.session_id` is the
-    prefill router's hint, `req.trace` the context both pools continue)."""
+    prefill router's hint, `req.trace` the context both pools continue). Each pass is
+    placed by `placement`'s rule, and `placed` is told where."""
     view = _ClientView(req.request_id, req.num_prompt_tokens)
     generated: list[int] = []  # every token streamed so far, across passes
     for hop in itertools.count():
@@ -111,7 +118,14 @@ async def disaggregated(
             req, request_id=req.request_id if hop == 0 else f"{req.request_id}.m{hop}",
             prompt_token_ids=req.prompt_token_ids + tuple(generated), sampling=remaining,
         )
-        one = _Pass(prefill_handle, decode_handle, sub, timing, resilience)
+        where = choose_placement(sub.num_prompt_tokens, placement)
+        if placed is not None:
+            placed(where)
+        one: _Pass | _LocalPass
+        if where.where is Where.LOCAL:
+            one = _LocalPass(decode_handle, sub, timing, resilience)
+        else:
+            one = _Pass(prefill_handle, decode_handle, sub, timing, resilience)
         base = len(generated)
         # Closed with us (aclosing), so a client that leaves cancels the decode call and
         # rejects the lease now, not when the abandoned generator is collected.
@@ -188,6 +202,37 @@ class _Pass:
                 log.warning("request %s: KV import failed (%s); prefilling again", req.request_id, _short(e))
                 return
         raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
+
+
+class _LocalPass:
+    """One pass of a request prefilled where it decodes: the whole request on one decode
+    replica (a `PrefillRequest` to its `generate`), no lease and no transfer. A replica
+    lost mid-stream migrates the request as `_Pass` does; `outcome` says how it ended."""
+
+    def __init__(self, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience):
+        self.decode, self.req, self.timing, self.resilience = decode_handle, req, timing, resilience
+        self.outcome = Outcome.DONE
+
+    async def run(self) -> AsyncGenerator[list[RequestOutput], None]:
+        stream = self.decode.options(stream=True).generate.remote(self.req)
+        finished = False
+        try:
+            async for outs in stream:
+                finished = outs[-1].finished
+                yield outs
+        except (asyncio.CancelledError, GeneratorExit):
+            stream.cancel()
+            raise
+        except Exception as e:
+            if finished:
+                return
+            timing, resilience = self.timing, self.resilience
+            if not isinstance(e, _REPLICA_GONE) or timing.migrations >= resilience.max_migrations:
+                raise UpstreamError(f"decode failed: {_short(e)}") from e
+            timing.migrations += 1
+            self.outcome = Outcome.MIGRATE
+            log.warning("request %s: decode replica lost (%s); migrating (%d of %d)",
+                        self.req.request_id, _short(e), timing.migrations, resilience.max_migrations)
 
 
 async def _first_batch(batches: AsyncIterator, timeout_s: float):

@@ -23,6 +23,7 @@ from kvtransfer.messages import PrefillRequest, TraceCarrier
 from routing.openai.access import KeyLimiter
 from routing.openai.errors import overloaded
 from routing.openai.pipeline import Timing
+from routing.router.disaggregation import Placement
 from telemetry import metrics, tracing
 from telemetry.tracing import Context, Span, SpanKind
 
@@ -124,6 +125,12 @@ class RequestRecord:
     def trace(self) -> TraceCarrier | None:
         """The context the pools continue: this request's span."""
         return tracing.carrier(self.span)
+
+    def placed(self, placement: Placement) -> None:
+        """Where a pass of the request computes its prompt (routing/router/disaggregation.py)."""
+        self._recorder.inc(metrics.PLACEMENTS, where=placement.where.value, reason=placement.reason)
+        tracing.set_attributes(self.span, {"duet.disaggregation.where": placement.where.value,
+                                           "duet.disaggregation.reason": placement.reason})
 
     def batch(self, outs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -26,6 +26,7 @@ from typing import Literal
 from pydantic import Field
 
 from kvtransfer.events.config import PrefixIndexConfig
+from routing.router.disaggregation import DisaggregationConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,9 @@ class RouterConfig(PrefixIndexConfig):
     decode_kv_weight: float = Field(4.0, ge=0, allow_inf_nan=False)
     # How often each replica reports its load (and, for `memory`, its KV event log).
     stats_period_s: float = Field(0.25, gt=0)
+    # Per request: through the prefill pool, or prefilled where it decodes
+    # (routing/router/disaggregation.py).
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
 
 
 @dataclass(frozen=True, slots=True)

@@ -355,11 +355,13 @@ class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        req = _message(pending_request, "generate", DecodeRequest)
+        # A handoff's DecodeRequest, or a PrefillRequest to prefill there (router.disaggregation).
+        req = (_message(pending_request, "generate", DecodeRequest)
+               or _message(pending_request, "generate", PrefillRequest))
         if req is None:
             return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
         started = time.monotonic()
-        need = -(-req.kv_handle.num_tokens // self.block_size) + 1
+        need = -(-len(req.prompt_token_ids) // self.block_size) + 1
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         snapshots = []
         for key, r in by_key.items():

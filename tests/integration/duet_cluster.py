@@ -75,6 +75,7 @@ CHAOS_REDIS_PORT = 6394
 CHAOS_REQUEST_TIMEOUT_S = 90.0
 CHAOS_MAX_TOKENS = 24
 FUZZ_MAX_TOKENS = 2
+AUTO_LOCAL_MAX_TOKENS = 64
 
 # The "autoscaling" cluster's TTFT SLO and capacity profile.
 AUTOSCALE_TTFT_SLO_MS = 1500
@@ -152,8 +153,11 @@ CLUSTERS: dict[str, dict] = {
     # The fuzzer's (test_gateway_fuzz.py): 128-token contexts, at most 2 completion tokens
     # and 2 choices, a 90 s request deadline. Most fuzzed bodies that validate ask for
     # the most tokens allowed, and generating them was most of the fuzzer's time.
+    # `router.disaggregation: auto` (prompts of <= 64 tokens prefilled on decode), so the
+    # fuzzer drives both placements, and test_disaggregation_auto.py checks each.
     "fuzz": {
         "engine.max_model_len": 128,
+        "router.disaggregation": {"mode": "auto", "max_local_prompt_tokens": AUTO_LOCAL_MAX_TOKENS},
         "gateway.request_timeout_s": CHAOS_REQUEST_TIMEOUT_S,
         "gateway.max_tokens": FUZZ_MAX_TOKENS,
         "gateway.max_n": 2,

@@ -19,6 +19,7 @@ from kvtransfer.backends.base import PeerInfo
 from kvtransfer.layout import LayoutFingerprint
 from kvtransfer.messages import ImportFailed, KVHandle, PrefillRequest, PrefillResult, RejectReason
 from routing.openai import pipeline
+from routing.router.disaggregation import DisaggregationConfig, Placement, Where
 
 pytestmark = pytest.mark.unit
 
@@ -92,8 +93,10 @@ class FakeDecode:
         if import_fail is not None:
             raise ImportFailed(import_fail, "the prefill replica is gone")
         e = self.engine
-        # As a decode replica whose import failed: the prompt recomputed, the first token adopted.
-        e.add_imported_request(req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, None)
+        if isinstance(req, PrefillRequest):  # prefilled here (router.disaggregation)
+            e.add_request(list(req.prompt_token_ids), req.sampling, request_id=req.request_id)
+        else:  # as a decode replica whose import failed: the prompt recomputed, the first token adopted
+            e.add_imported_request(req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, None)
         sent = 0
         while e.has_unfinished():
             for out in e.step():
@@ -291,3 +294,48 @@ async def test_a_decode_replica_lost_after_the_final_output_is_not_a_migration(m
     assert [t for o in outs for t in o.new_token_ids] == reference
     assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
     assert timing.migrations == 0 and len(prefill.calls) == 1
+
+
+AUTO = DisaggregationConfig(mode="auto", max_local_prompt_tokens=64)
+
+
+async def test_auto_prefills_a_short_prompt_where_it_decodes(make_engine, prompt, reference):
+    prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[])
+    placed: list[Placement] = []
+    outs = await collect(pipeline.disaggregated(prefill, decode, request(prompt), pipeline.Timing(),
+                                                placement=AUTO, placed=placed.append))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert prefill.calls == [] and isinstance(decode.requests[0], PrefillRequest)
+    assert placed == [Placement(Where.LOCAL, "short_prompt")]
+    assert outs[-1].finished and outs[-1].num_output_tokens == GREEDY.max_tokens
+
+
+async def test_auto_sends_a_long_prompt_through_prefill(make_engine, prompt):
+    prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[])
+    placed: list[Placement] = []
+    short = DisaggregationConfig(mode="auto", max_local_prompt_tokens=len(prompt) - 1)
+    await collect(pipeline.disaggregated(prefill, decode, request(prompt), pipeline.Timing(), placement=short,
+                                         placed=placed.append))
+    assert len(prefill.calls) == 1 and not isinstance(decode.requests[0], PrefillRequest)
+    assert placed == [Placement(Where.REMOTE, "long_prompt")]
+
+
+async def test_a_local_pass_whose_replica_is_lost_migrates(make_engine, prompt, reference):
+    """The continuation is placed again (prompt + the 10 tokens streamed: still short)."""
+    prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[10])
+    timing, placed = pipeline.Timing(), []
+    outs = await collect(pipeline.disaggregated(prefill, decode, request(prompt), timing,
+                                                pipeline.Resilience(max_migrations=1), AUTO, placed.append))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert timing.migrations == 1 and prefill.calls == []
+    assert [tuple(r.prompt_token_ids) for r in decode.requests] == [tuple(prompt), tuple(prompt + reference[:10])]
+    assert [p.where for p in placed] == [Where.LOCAL, Where.LOCAL]
+    last = outs[-1]
+    assert (last.request_id, last.num_prompt_tokens, last.num_output_tokens) == ("req", len(prompt), GREEDY.max_tokens)
+
+
+async def test_a_local_pass_past_the_migration_limit_fails_cleanly(make_engine, prompt):
+    decode = FakeDecode(make_engine(), die_after=[3])
+    with pytest.raises(pipeline.UpstreamError, match="decode failed"):
+        await collect(pipeline.disaggregated(FakePrefill(make_engine()), decode, request(prompt), pipeline.Timing(),
+                                             pipeline.Resilience(max_migrations=0), AUTO))

@@ -19,7 +19,7 @@ from engine.kv_events import BlockStored
 from engine.sampling_params import SamplingParams
 from kvtransfer.events.log import KVEventLog
 from kvtransfer.messages import PrefillRequest, RoutingStats
-from routing.router.serve_routers import KVAwarePrefillRouter
+from routing.router.serve_routers import KVAwareDecodeRouter, KVAwarePrefillRouter
 
 pytestmark = pytest.mark.unit
 
@@ -126,3 +126,20 @@ def test_a_decision_never_sent_stops_counting():
     )
     choose(r, [a, b], [6] * 16)  # the next decision drops it
     assert pr.metadata.internal_request_id not in r._planned
+
+
+def test_the_decode_router_places_a_request_to_prefill_there_by_its_prompts_blocks():
+    """A `PrefillRequest` sent to the decode pool (router.disaggregation) is placed as
+    a handoff would be: on a replica with room for its prompt's blocks."""
+    r = object.__new__(KVAwareDecodeRouter)
+    r.initialize_state(block_size=BS, seed=0)
+    tight = SimpleNamespace(replica_id=SimpleNamespace(deployment_id=SimpleNamespace(name="decode"), unique_id="a"),
+                            routing_stats=RoutingStats(kv_blocks_free=4, kv_blocks_total=100).to_wire())
+    roomy = SimpleNamespace(replica_id=SimpleNamespace(deployment_id=SimpleNamespace(name="decode"), unique_id="b"),
+                            routing_stats=RoutingStats(kv_blocks_free=90, kv_blocks_total=100,
+                                                       num_requests=3).to_wire())
+    pr = pending([7] * (8 * BS))  # 8 blocks + 1 for the output: only b has room
+    pr.metadata.call_method = "generate"
+    ranked = asyncio.run(r.choose_replicas([tight, roomy], pr))
+    assert ranked[0][0].replica_id.unique_id == "b"
+    assert r._local("decode#b") == (9, 1)
