@@ -161,6 +161,7 @@ PER_REQUEST = {
     ("ray_duet_tpot_seconds_count", ("pool", "gateway")): 1,
     ("ray_duet_e2e_seconds_count", ("pool", "gateway")): 1,
     ("ray_duet_requests_total", ("pool", "gateway")): 1,
+    ("ray_duet_disaggregation_decisions_total", ("pool", "gateway")): 1,  # where=remote, reason=always
     ("ray_duet_output_tokens_total", ("pool", "gateway")): CHAT["max_tokens"],
     ("ray_duet_router_decisions_total", ("pool", "prefill")): 1,
     ("ray_duet_router_decisions_total", ("pool", "decode")): 1,
