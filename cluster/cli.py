@@ -28,6 +28,7 @@ BENCH_TARGETS: dict[str, str] = {
     "grammar": "bench.grammar",
     "structured": "bench.structured",
     "speculative": "bench.speculative",
+    "disaggregation": "bench.disaggregation",
 }
 
 
