@@ -5,10 +5,12 @@ Disaggregated: a loop of passes (`disaggregated`); one pass (`_Pass`) is prefill
 rest, and says how it ended (`Outcome`): done, migrate or prefill again. Each pass is
 placed first (`router.disaggregation`, routing/router/disaggregation.py): a pass whose
 prompt is cheaper to compute where it decodes is a `_LocalPass`, the whole request on
-one decode replica. Aggregated: one pool does both. Whatever ends the stream early (client gone, replica dead) is
-handled here: in-flight Serve calls are cancelled, and a lease nobody will pull is
-rejected (`LeaseGuard`) so prefill frees it now rather than at TTL. Nothing here reads
-gateway state: it runs wherever the request's stream is served.
+one decode replica. Aggregated: one pool does both.
+
+Whatever ends the stream early (client gone, replica dead) is handled here: in-flight
+Serve calls are cancelled, and a lease nobody will pull is rejected (`LeaseGuard`) so
+prefill frees it now rather than at TTL. Nothing here reads gateway state: it runs
+wherever the request's stream is served.
 
 Replicas that die are survived here. A prefill replica that dies before answering:
 the call is tried on another one (`gateway.prefill_retries`). A decode replica that
