@@ -118,7 +118,8 @@ class PrefillResult:
     """
 
     request_id: str
-    first_token: int
+    # None only when the request ended at prefill before any token (its grammar's dead end).
+    first_token: int | None
     kv_handle: KVHandle | None
     num_cached_tokens: int
     num_prompt_tokens: int

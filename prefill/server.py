@@ -146,7 +146,7 @@ class PrefillServer:
             reason = None
         return PrefillResult(
             request_id=request_id,
-            first_token=final.new_token_ids[0],
+            first_token=final.new_token_ids[0] if final.new_token_ids else None,  # None: a grammar's dead end
             kv_handle=handle,
             num_cached_tokens=final.num_cached_tokens,
             num_prompt_tokens=final.num_prompt_tokens,

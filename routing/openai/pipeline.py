@@ -159,6 +159,7 @@ class _Pass:
         async with LeaseGuard(handle, _REJECT_TIMEOUT_S) as lease:
             yield [_first_output(result)]
             req = self.req
+            assert result.first_token is not None  # a lease is granted with the first token
             call = DecodeRequest(req.request_id, req.prompt_token_ids, result.first_token, req.sampling, handle,
                                  req.trace, req.cache_salt)
             stream = self.decode.options(stream=True).generate.remote(call)
@@ -342,13 +343,13 @@ async def within(batches: AsyncGenerator, timeout_s: float | None) -> AsyncGener
 def _first_output(result: PrefillResult) -> RequestOutput:
     return RequestOutput(
         request_id=result.request_id,
-        new_token_ids=[result.first_token],
+        new_token_ids=[] if result.first_token is None else [result.first_token],
         text=result.text,
         finished=result.finish_reason is not None,
         finish_reason=result.finish_reason,
         num_prompt_tokens=result.num_prompt_tokens,
         num_cached_tokens=result.num_cached_tokens,
-        num_output_tokens=1,
+        num_output_tokens=0 if result.first_token is None else 1,
         logprobs=[result.first_token_logprobs] if result.first_token_logprobs else None,
     )
 

@@ -339,3 +339,20 @@ async def test_a_local_pass_past_the_migration_limit_fails_cleanly(make_engine, 
     with pytest.raises(pipeline.UpstreamError, match="decode failed"):
         await collect(pipeline.disaggregated(FakePrefill(make_engine()), decode, request(prompt), pipeline.Timing(),
                                              pipeline.Resilience(max_migrations=0), AUTO))
+
+
+async def test_a_request_that_ended_at_prefill_without_a_token_is_one_final_output():
+    """A structured request whose grammar dead-ends at its first token: prefill returns
+    no token and no lease, and the client gets a finished output with nothing in it."""
+
+    class DeadEnd:
+        def __init__(self):
+            self.prefill = _Remote(self._prefill)
+
+        async def _prefill(self, req):
+            return PrefillResult(req.request_id, None, None, 0, len(req.prompt_token_ids),
+                                 finish_reason=FinishReason.GRAMMAR_DEAD_END)
+
+    outs = await collect(pipeline.disaggregated(DeadEnd(), None, request([1, 2, 3]), pipeline.Timing()))
+    assert len(outs) == 1 and outs[0].finished and outs[0].new_token_ids == []
+    assert outs[0].finish_reason == FinishReason.GRAMMAR_DEAD_END and outs[0].num_output_tokens == 0
