@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 SALT_TAG = "lmcache.tag.salt"  # LMCache puts `lmcache.tag.*` request configs in the key
 
+
 class KVTier:
     """Owns one replica's LMCache engine and its view of the paged KV tensor."""
 
