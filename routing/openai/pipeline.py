@@ -120,11 +120,11 @@ async def disaggregated(
             req, request_id=req.request_id if hop == 0 else f"{req.request_id}.m{hop}",
             prompt_token_ids=req.prompt_token_ids + tuple(generated), sampling=remaining,
         )
-        where = choose_placement(sub.num_prompt_tokens, placement)
+        decision = choose_placement(sub.num_prompt_tokens, placement)
         if placed is not None:
-            placed(where)
+            placed(decision)
         one: _Pass | _LocalPass
-        if where.where is Where.LOCAL:
+        if decision.where is Where.LOCAL:
             one = _LocalPass(decode_handle, sub, timing, resilience)
         else:
             one = _Pass(prefill_handle, decode_handle, sub, timing, resilience)
@@ -188,14 +188,8 @@ class _Pass:
         req, timing, resilience = self.req, self.timing, self.resilience
         if isinstance(e, _REPLICA_GONE):
             lease.reject_as(RejectReason.DECODE_LOST)
-            if timing.migrations >= resilience.max_migrations:
-                n = resilience.max_migrations
-                limit = f" (migration limit {n} reached)" if n else ""
-                raise UpstreamError(f"decode failed{limit}: {_short(e)}") from e
-            timing.migrations += 1
+            _count_migration(req, e, timing, resilience)
             self.outcome = Outcome.MIGRATE
-            log.warning("request %s: decode replica lost (%s); migrating (%d of %d)",
-                        req.request_id, _short(e), timing.migrations, resilience.max_migrations)
             return
         if isinstance(e, ImportFailed):
             lease.settled()  # decode rejected it (and its replica may be gone)
@@ -229,13 +223,22 @@ class _LocalPass:
         except Exception as e:
             if finished:
                 return
-            timing, resilience = self.timing, self.resilience
-            if not isinstance(e, _REPLICA_GONE) or timing.migrations >= resilience.max_migrations:
+            if not isinstance(e, _REPLICA_GONE):
                 raise UpstreamError(f"decode failed: {_short(e)}") from e
-            timing.migrations += 1
+            _count_migration(self.req, e, self.timing, self.resilience)
             self.outcome = Outcome.MIGRATE
-            log.warning("request %s: decode replica lost (%s); migrating (%d of %d)",
-                        self.req.request_id, _short(e), timing.migrations, resilience.max_migrations)
+
+
+def _count_migration(req: PrefillRequest, e: Exception, timing: Timing, resilience: Resilience) -> None:
+    """A decode replica was lost mid-stream: count one more migration, or fail the
+    request (`UpstreamError`) when it has used them all."""
+    if timing.migrations >= resilience.max_migrations:
+        n = resilience.max_migrations
+        limit = f" (migration limit {n} reached)" if n else ""
+        raise UpstreamError(f"decode failed{limit}: {_short(e)}") from e
+    timing.migrations += 1
+    log.warning("request %s: decode replica lost (%s); migrating (%d of %d)",
+                req.request_id, _short(e), timing.migrations, resilience.max_migrations)
 
 
 async def _first_batch(batches: AsyncIterator, timeout_s: float):

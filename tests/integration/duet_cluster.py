@@ -526,13 +526,16 @@ def cached_tokens(resp: dict) -> int:
     return details.get("cached_tokens") or 0
 
 
-def gateway_counter(duet: Duet, name: str) -> float:
-    """The sum of a series' samples on the gateway's /metrics (every label set)."""
+def gateway_counter(duet: Duet, name: str, **labels: str) -> float:
+    """The sum of a series' samples on the gateway's /metrics (every label set that has
+    `labels`)."""
     import httpx
 
     text = httpx.get(f"{duet.url}/metrics", timeout=10).text
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
+               if (line.startswith(name + " ") and not wanted)
+               or (line.startswith(name + "{") and all(w in line for w in wanted)))
 
 
 def wait_baseline(duet: Duet, pool: str, timeout: float = 120) -> dict[str, dict]:

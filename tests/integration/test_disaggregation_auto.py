@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from duet_cluster import AUTO_LOCAL_MAX_TOKENS, FUZZ_MAX_TOKENS, complete, prompt, wait_idle
+from duet_cluster import AUTO_LOCAL_MAX_TOKENS, FUZZ_MAX_TOKENS, complete, gateway_counter, prompt, wait_idle
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -28,25 +28,16 @@ def reference() -> dict[int, str]:
     return {len(ids): engine.generate([ids], sp)[0].text for ids in (SHORT, LONG)}
 
 
-def _placements(duet, where: str) -> float:
-    """The gateway's count of passes placed `where` (its /metrics)."""
-    import httpx
-
-    text = httpx.get(f"{duet.url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("duet_disaggregation_decisions_total{") and f'where="{where}"' in line)
-
-
 @pytest.mark.parametrize("ids, where", [(SHORT, "local"), (LONG, "remote")], ids=["short", "long"])
 def test_auto_places_each_prompt_and_both_are_exact(duet, reference, ids, where):
     wait_idle(duet)
     p0, d0 = duet.stats("prefill"), duet.stats("decode")
-    placed0 = _placements(duet, where)
+    placed0 = gateway_counter(duet, "duet_disaggregation_decisions_total", where=where)
     body = complete(duet, ids, max_tokens=FUZZ_MAX_TOKENS)
     p1, d1 = duet.stats("prefill"), duet.stats("decode")
     assert body["choices"][0]["text"] == reference[len(ids)]
     assert body["usage"]["completion_tokens"] == FUZZ_MAX_TOKENS
     granted, transfers = p1["leases_granted"] - p0["leases_granted"], d1["transfer_count"] - d0["transfer_count"]
     assert (granted, transfers) == ((0, 0) if where == "local" else (1, 1))
-    assert _placements(duet, where) == placed0 + 1
+    assert gateway_counter(duet, "duet_disaggregation_decisions_total", where=where) == placed0 + 1
     wait_idle(duet)
