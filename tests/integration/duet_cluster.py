@@ -73,7 +73,7 @@ SPECULATIVE = {"method": "ngram", "num_tokens": 4}
 # The "chaos" cluster's private Redis (prefix index and KV tier), which its soak restarts.
 CHAOS_REDIS_PORT = 6394
 CHAOS_REQUEST_TIMEOUT_S = 90.0
-CHAOS_MAX_TOKENS = 24
+CHAOS_MAX_TOKENS = 12
 FUZZ_MAX_TOKENS = 2
 AUTO_LOCAL_MAX_TOKENS = 64
 
@@ -166,7 +166,7 @@ CLUSTERS: dict[str, dict] = {
     "resilient": {"prefill.replicas": 2, "decode.replicas": 2},
     # The soak's: two replicas per pool, the Redis prefix index, CPU and
     # Redis KV tiers (16-token chunks: the prompts are short), a 90 s request deadline,
-    # 128-token contexts, at most 24 completion tokens and 2 choices.
+    # 128-token contexts, at most 12 completion tokens and 2 choices.
     "chaos": {
         "engine.max_model_len": 128,
         "prefill.replicas": 2,
