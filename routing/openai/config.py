@@ -30,8 +30,9 @@ class GatewayConfig(BaseModel):
     # Most completion tokens one request may ask for (400 above it; the default when a
     # request leaves max_tokens unset). None: up to the model's context.
     max_tokens: int | None = Field(None, ge=1)
-    # Most choices (`n`) one request may ask for (400 above it); each is its own
-    # sequence through the pools, so n choices cost n requests' compute.
+    # Most sequences one request may ask for, as choices (`n`) or as completion
+    # candidates (`best_of`): 400 above it. Each is its own sequence through the pools,
+    # so n choices cost n requests' compute.
     max_n: int = Field(8, ge=1, le=128)
     # A larger request body is refused with 413 before it is parsed.
     max_body_bytes: int = Field(4 << 20, ge=1024)

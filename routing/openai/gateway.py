@@ -48,6 +48,7 @@ from routing.openai.stream import (
     ChatStream,
     ChoiceStreams,
     CompletionStream,
+    best_of,
     build_chat_response,
     build_completion_response,
     merge_choices,
@@ -226,7 +227,8 @@ class Gateway:
         )
         call = Call(
             "completions", make_response_id("completion"), ids, sp, _session(request), key, self.model_name,
-            _trace_parent(request), self._choices(req.n), cache_salt(self.cfg.cache_isolation, key, req.cache_salt),
+            _trace_parent(request), self._choices(req.candidates, "best_of" if req.best_of else "n"),
+            cache_salt(self.cfg.cache_isolation, key, req.cache_salt),
         )
         self.admission.check(call)
         logprobs = req.logprobs is not None
@@ -236,10 +238,12 @@ class Gateway:
                 token_text=self._token_text, index=i,
             ) for i in range(call.n)}))
         outs = await self._collect(call)
-        resp = merge_choices([build_completion_response(
+        candidates = _by_choice(call, outs)
+        responses = [build_completion_response(
             call.request_id, self.model_name, choice, logprobs=logprobs, token_text=self._token_text
-        ) for choice in _by_choice(call, outs)])
-        return resp.model_dump(exclude_none=True)
+        ) for choice in candidates]
+        chosen = best_of(candidates, req.n) if call.n > req.n else range(call.n)
+        return merge_choices([responses[i] for i in chosen], billed=responses).model_dump(exclude_none=True)
 
     async def _accept(self, request: Request, model_cls):
         """(the caller's key id, the parsed request): 431, 401, 413, 400 or 404 otherwise."""
@@ -249,9 +253,10 @@ class Gateway:
         self._check_model(req.model)
         return key, req
 
-    def _choices(self, n: int) -> int:
+    def _choices(self, n: int, param: str = "n") -> int:
+        """`n` sequences generated for one request (`n`, or `best_of` candidates)."""
         if n > self.cfg.max_n:
-            raise invalid_request(f"n={n} is above this server's limit of {self.cfg.max_n}", "n")
+            raise invalid_request(f"{param}={n} is above this server's limit of {self.cfg.max_n}", param)
         return n
 
     def _check_model(self, model: str | None) -> None:

@@ -2,10 +2,12 @@
 onto the engine's SamplingParams.
 
 Requests ignore fields they do not know (clients send many, e.g. `user`, `metadata`).
-What duet cannot honour (`best_of` > 1, batched prompts, `echo`, `suffix`,
-grammars, the deprecated `functions`: `UNHONOURED`) is a 400 naming the field, never
-silently dropped. Structured outputs (`response_format`, and vLLM's `guided_json`,
-`guided_regex`, `guided_choice`) are honoured (engine/structured.py), and so are
+What duet cannot honour (batched prompts, `echo`, `suffix`, grammars, the
+deprecated `functions`: `UNHONOURED`) is a 400 naming the field, never silently
+dropped. `best_of` is honoured on completions (`CompletionRequest.candidates`); on
+chat, where OpenAI has no such field, more than one candidate is refused. Structured
+outputs (`response_format`, and vLLM's `guided_json`, `guided_regex`, `guided_choice`)
+are honoured (engine/structured.py), and so are
 `tools` and `tool_choice` (routing/openai/tools.py).
 """
 
@@ -36,7 +38,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Fields that change what a client gets back and that duet cannot honour yet, with the
 # values that ask for nothing (accepted, since clients send them by default).
 UNHONOURED_SAMPLING = ("guided_grammar", "structured_outputs", "logits_processors")
-UNHONOURED_CHAT = ("functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+UNHONOURED_CHAT = ("best_of", "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
                    "verbosity", "web_search_options", "moderation", "store", "service_tier",
                    "prompt_cache_retention", "prompt_cache_options")
 UNHONOURED = UNHONOURED_SAMPLING + UNHONOURED_CHAT
@@ -65,6 +67,8 @@ def _harmless(field: str, value: Any) -> bool:
         return value == "in_memory"
     if field in ("functions", "logits_processors"):
         return value == []
+    if field == "best_of":  # one candidate is what a chat request gets
+        return value == 1
     return False
 
 
@@ -274,6 +278,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted: a reply makes at most one call
+    best_of: Any = None  # (ext) completions only: refused above 1
     functions: Any = None  # deprecated by OpenAI for tools: refused unless empty
     function_call: Any = None
     # OpenAI-platform features with no counterpart here: refused unless they ask for nothing.
@@ -356,7 +361,9 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: int | None = None
+    # Candidates generated server-side; the `n` with the highest cumulative logprob
+    # are returned, and usage counts every candidate's tokens (as OpenAI bills it).
+    best_of: int | None = Field(None, ge=1, le=128)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -383,13 +390,6 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("echo=true is not supported")
         return v
 
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError(f"best_of={v} is not supported; only 1")
-        return v
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
@@ -412,7 +412,19 @@ class CompletionRequest(_SamplingRequest):
             requested = COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else min(limit, COMPLETIONS_DEFAULT_MAX_TOKENS)
         max_tokens = resolve_max_tokens(requested, num_prompt_tokens, max_model_len, "prompt", limit)
         assert max_tokens is not None  # `requested` was given
-        return self._sampling(max_tokens, self.logprobs, vocab_size)
+        if self.candidates < self.n:
+            raise invalid_request(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.candidates > self.n and self.stream:
+            raise invalid_request("best_of > n cannot be streamed: the best candidates are known only at the end",
+                                  param="best_of")
+        # Ranking needs each sampled token's logprob, asked for or not (0: no alternatives).
+        logprobs = 0 if self.logprobs is None and self.candidates > self.n else self.logprobs
+        return self._sampling(max_tokens, logprobs, vocab_size)
+
+    @property
+    def candidates(self) -> int:
+        """How many completions are generated: `best_of`, or `n` without it."""
+        return self.n if self.best_of is None else self.best_of
 
 
 def parse_request(cls: type[_Request], body: bytes | str) -> Any:

@@ -313,20 +313,35 @@ class ChoiceStreams:
         return first.done(usage)
 
 
-def merge_choices(responses: Sequence[ChatCompletionResponse | CompletionResponse]):
-    """One response of `n` choices from one response per choice (in choice order)."""
+def merge_choices(
+    responses: Sequence[ChatCompletionResponse | CompletionResponse],
+    billed: Sequence[ChatCompletionResponse | CompletionResponse] | None = None,
+):
+    """One response of `n` choices from one response per choice (in choice order).
+    Its usage counts the prompt once and the completion tokens of `billed` (every
+    candidate generated, when only the best are returned), by default of `responses`."""
     first = responses[0].model_copy()
     choices = []
     for i, r in enumerate(responses):
         choice = r.choices[0].model_copy(update={"index": i})
         choices.append(choice)
     first.choices = choices  # type: ignore[assignment]
-    usages = [r.usage for r in responses if r.usage is not None]
+    usages = [r.usage for r in (responses if billed is None else billed) if r.usage is not None]
     if usages:
         details = usages[0].prompt_tokens_details
         first.usage = UsageInfo.of(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
                                    details.cached_tokens if details else 0)
     return first
+
+
+def best_of(candidates: Sequence[Sequence[Delta]], n: int) -> list[int]:
+    """The indexes of the `n` candidates whose sampled tokens have the highest
+    cumulative logprob, best first (`best_of`, as OpenAI and vLLM rank); ties keep
+    candidate order. Every candidate's tokens must carry their logprobs."""
+    def score(deltas: Sequence[Delta]) -> float:
+        return sum(lp.logprob for d in deltas for lp in (d.logprobs or ()) if lp is not None)
+
+    return sorted(range(len(candidates)), key=lambda i: -score(candidates[i]))[:n]
 
 
 def _usage(m: MergedDelta) -> UsageInfo:

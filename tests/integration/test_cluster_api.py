@@ -205,6 +205,21 @@ def test_n_choices_whole_and_streamed(duet, reference, setup):
     assert chunks[-1].usage.completion_tokens == 3 * 8
 
 
+@pytest.mark.parametrize("setup", SETUPS)
+def test_best_of_returns_the_candidate_with_the_highest_logprob(duet, setup):
+    """`best_of` candidates are the choices the same request gets as `n` (seed + i each);
+    the one returned is the one whose tokens' logprobs sum highest, and usage counts
+    every candidate's tokens."""
+    ask = {"model": SMOLLM2_ID, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 5,
+           "extra_body": {"ignore_eos": True}}
+    every = client(duet).completions.create(**ask, n=3, logprobs=0)
+    sums = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    best = client(duet).completions.create(**ask, best_of=3)
+    assert [c.text for c in best.choices] == [every.choices[sums.index(max(sums))].text]
+    assert best.choices[0].logprobs is None  # ranked by them, shown only when asked for
+    assert (best.usage.prompt_tokens, best.usage.completion_tokens) == (every.usage.prompt_tokens, 3 * 6)
+
+
 @pytest.mark.parametrize("setup", [p for p in SETUPS if p.values[0] != "nixl"])
 def test_speculative_decoding_is_exact_through_the_pool_that_decodes(duet, reference, setup):
     """These clusters decode with n-gram speculation; its tokens are the single-process

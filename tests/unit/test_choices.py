@@ -1,6 +1,7 @@
 """`n` choices (routing/openai): each choice is its own sequence in the pools, with its
 own request id and (given a seed) seed + index; their batches are merged as they come,
-streamed under their index, summed in usage, and an error or an early exit ends them all."""
+streamed under their index, summed in usage, and an error or an early exit ends them all.
+`best_of` candidates are such sequences too, ranked by their tokens' summed logprob."""
 
 from __future__ import annotations
 
@@ -11,11 +12,18 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
-from engine.request import FinishReason, RequestOutput
+from engine.request import FinishReason, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from routing.openai import pipeline
 from routing.openai.record import Call
-from routing.openai.stream import ChatStream, ChoiceStreams, CompletionStream, build_completion_response, merge_choices
+from routing.openai.stream import (
+    ChatStream,
+    ChoiceStreams,
+    CompletionStream,
+    best_of,
+    build_completion_response,
+    merge_choices,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -92,3 +100,24 @@ def test_whole_choices_are_merged_in_order():
     assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens, parsed.usage.total_tokens) == (5, 4, 9)
     single = ChoiceStreams({"r": CompletionStream("r", "m")})
     assert json.loads(single.chunk([out("other-id", "x")]).removeprefix("data: "))["choices"][0]["text"] == "x"
+
+
+def _scored(rid: str, text: str, *logprobs: float) -> list[RequestOutput]:
+    """A finished candidate whose tokens have these logprobs, one output per token."""
+    outs = [RequestOutput(rid, [7], text if i == 0 else "", i == len(logprobs) - 1,
+                          FinishReason.LENGTH if i == len(logprobs) - 1 else None, 5, 0, i + 1,
+                          [TokenLogprob(7, lp)]) for i, lp in enumerate(logprobs)]
+    return outs
+
+
+def test_best_of_returns_the_candidates_with_the_highest_summed_logprob_and_bills_all():
+    candidates = [_scored("r-0", "A", -1.0, -1.0), _scored("r-1", "B", -0.5, -0.4), _scored("r-2", "C", -3.0, -0.1),
+                  _scored("r-3", "D", -0.5, -0.4)]
+    assert best_of(candidates, 1) == [1]
+    assert best_of(candidates, 3) == [1, 3, 0]  # best first; the tie keeps candidate order
+    responses = [build_completion_response("r", "m", c) for c in candidates]
+    resp = merge_choices([responses[i] for i in best_of(candidates, 2)], billed=responses)
+    parsed = Completion.model_validate(resp.model_dump(exclude_none=True))
+    assert [(c.index, c.text) for c in parsed.choices] == [(0, "B"), (1, "D")]
+    assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens) == (5, 4 * 2)
+    assert all(c.logprobs is None for c in parsed.choices)  # ranked by them, shown only when asked for

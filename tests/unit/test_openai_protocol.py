@@ -176,7 +176,7 @@ def test_completion_prompt_forms(prompt, expected):
         ({"prompt": []}, "prompt", "empty"),
         ({"prompt": [1, -2]}, "prompt", "non-negative"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
-        ({"prompt": "x", "best_of": 2}, "best_of", "not supported"),
+        ({"prompt": "x", "best_of": 0}, "best_of", ""),
         ({"prompt": "x", "logprobs": 21}, "logprobs", ""),
         ({}, "prompt", "Missing"),
     ],
@@ -276,6 +276,20 @@ def test_the_servers_max_tokens_limit():
     err = api_error(lambda: CompletionRequest.model_validate({"prompt": "x", "max_tokens": 9}).to_sampling_params(
         num_prompt_tokens=1, max_model_len=128, limit=8))
     assert err.param == "max_tokens"
+
+
+def test_best_of_candidates_carry_logprobs_and_are_never_streamed_or_fewer_than_n():
+    def req(**fields):
+        return CompletionRequest.model_validate({"prompt": "x", **fields})
+
+    assert (req().candidates, req(n=2).candidates, req(n=2, best_of=5).candidates) == (1, 2, 5)
+    assert req(best_of=3).to_sampling_params().logprobs == 0  # ranked by each token's logprob
+    assert req(best_of=3, logprobs=2).to_sampling_params().logprobs == 2
+    assert req(n=2, best_of=2, stream=True).to_sampling_params().logprobs is None  # no ranking: streams as n
+    err = api_error(req(n=3, best_of=2).to_sampling_params)
+    assert (err.status, err.param) == (400, "best_of") and "at least n" in err.message
+    err = api_error(req(best_of=2, stream=True).to_sampling_params)
+    assert (err.status, err.param) == (400, "best_of") and "streamed" in err.message
 
 
 def test_completion_sampling_params_and_engine_errors():
@@ -605,11 +619,12 @@ def test_every_request_field_of_the_openai_sdk_is_decided(sdk_params, model):
     ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "high"), ("verbosity", "low"),
     ("web_search_options", {}), ("moderation", {"model": "m"}), ("store", True), ("service_tier", "flex"),
-    ("prompt_cache_retention", "24h"), ("prompt_cache_options", {"ttl": "1h"}),
+    ("prompt_cache_retention", "24h"), ("prompt_cache_options", {"ttl": "1h"}), ("best_of", 2),
 ])
 def test_platform_features_are_refused_unless_they_ask_for_nothing(field, value):
     err = chat_error({"messages": MSGS, field: value})
     assert err.status == 400 and err.param == field
-    harmless = {"modalities": ["text"], "store": False, "service_tier": "auto", "prompt_cache_retention": "in_memory"}
+    harmless = {"modalities": ["text"], "store": False, "service_tier": "auto", "prompt_cache_retention": "in_memory",
+                "best_of": 1}
     if field in harmless:
         parse_request(ChatCompletionRequest, json.dumps({"messages": MSGS, field: harmless[field]}))
