@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.external_kv import ExternalKVCache, check_chunk_size
-from engine.hashing import chain_root, hash_block
+from engine.hashing import BlockHash, chain_root, hash_block
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -69,12 +69,16 @@ class KVCacheManager:
             parent = req.block_hashes[-1] if req.block_hashes else chain_root(req.cache_salt)
             req.block_hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs], self.model_fingerprint))
 
+    def hittable_hashes(self, req: Request) -> list[BlockHash]:
+        """The hashes of the request's leading full blocks that a prefix hit may cover
+        (all but the block holding its last token, whose logits are needed)."""
+        self._update_hashes(req)
+        return req.block_hashes[: (req.num_tokens - 1) // self.block_size]
+
     def computed_blocks(self, req: Request) -> list[int]:
         """Cached blocks for the request's leading tokens. At least one token is always
         left to compute, since the next token needs its logits."""
-        self._update_hashes(req)
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        hit = self.pool.cached_prefix(req.block_hashes[:max_blocks])
+        hit = self.pool.cached_prefix(self.hittable_hashes(req))
         self.pool.record_query(req.num_tokens, len(hit) * self.block_size)
         return hit
 

@@ -3,9 +3,11 @@
 Each step: running requests that need one token (decodes) are scheduled first,
 then running requests still in prefill get a chunk, then waiting requests are
 admitted in (priority, arrival) order while the budget, `max_num_seqs` and the
-block pool allow. When blocks run out, the lowest-priority running request not yet
-scheduled this step is preempted by recompute: its blocks are freed and it goes
-back to the head of the queue with its generated tokens kept.
+block pool allow. A waiting request whose prompt's leading blocks a running request
+is computing right now waits for them to be cached instead of computing them too.
+When blocks run out, the lowest-priority running request not yet scheduled this
+step is preempted by recompute: its blocks are freed and it goes back to the head
+of the queue with its generated tokens kept.
 
 With speculative decoding, a decode may carry draft tokens (engine/speculative.py):
 it then runs as a chunk of its pending token plus the drafts, when the budget and
@@ -134,8 +136,14 @@ class Scheduler:
             if req.first_scheduled_time is None:  # imported KV: its first step
                 req.first_scheduled_time = time.monotonic()
 
+        deferred: list[Request] = []  # their prompt's blocks are being computed by another
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if self._prefix_being_computed(req):
+                deferred.append(self.waiting.popleft())
+                if len(deferred) >= self.max_num_seqs:  # a burst on one prefix: look no further
+                    break
+                continue
             match = self.kv.match_prefix(req) if req.num_computed_tokens == 0 else PrefixMatch([])
             ready = len(match.blocks) * self.kv.block_size + match.num_external_tokens
             n = min(req.num_tokens - max(ready, req.num_computed_tokens), budget)
@@ -155,7 +163,24 @@ class Scheduler:
             (out.decodes if n == 1 else out.prefills).append(ScheduledRequest(req, n))
             scheduled.add(req.request_id)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # back in their places, ahead of the rest
         return out
+
+    def _prefix_being_computed(self, req: Request) -> bool:
+        """Whether a running request is computing leading blocks of `req`'s prompt that
+        are not cached yet. Then `req` waits: a block is cached as soon as it is
+        computed, so a step or a few later `req` hits it instead of computing the same
+        tokens beside it (the `n` choices of one request, or a burst of requests with
+        one system prompt, arrive together). It cannot wait forever: the request it
+        waits on is running, and running prefills get the budget before anything waiting."""
+        if req.num_computed_tokens or not self.kv.pool.enable_caching:
+            return False
+        computing = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        if not computing:
+            return False
+        hashes = self.kv.hittable_hashes(req)
+        shared = max(_common_prefix_len(hashes, r.block_hashes) for r in computing)
+        return shared > len(self.kv.pool.cached_prefix(hashes[:shared]))
 
     def _draft(self, req: Request, budget: int, num_decoding: int) -> list[int]:
         """Draft tokens for decode `req` whose slots are allocated, or [] (then the
@@ -211,3 +236,12 @@ class Scheduler:
             return self.kv.detach(req)
         self.kv.free(req)
         return []
+
+
+def _common_prefix_len(a: list[bytes], b: list[bytes]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -54,6 +54,22 @@ def test_preemption_by_recompute_gives_same_tokens(make_engine):
     assert eng.block_pool.num_free_blocks == 20
 
 
+def test_a_prompt_being_computed_is_computed_once(make_engine, base_engine):
+    # Arriving together (as the n choices of one request do), the second copy of a
+    # prompt waits a step for the first's blocks and hits them; so does a prompt that
+    # shares only its first 80 tokens. A prompt under another salt shares nothing.
+    ids = prompt_ids(base_engine, 100, seed=7)
+    eng = make_engine(max_num_batched_tokens=256)
+    outs = eng.generate([ids, ids, ids[:80] + prompt_ids(base_engine, 20, seed=8)], GREEDY)
+    assert [o.num_cached_tokens for o in outs] == [0, 96, 80]
+    assert outs[0].token_ids == outs[1].token_ids == alone(make_engine, ids)
+    assert outs[2].token_ids == alone(make_engine, ids[:80] + prompt_ids(base_engine, 20, seed=8))
+    fresh = make_engine(max_num_batched_tokens=256)
+    rids = [fresh.add_request(ids, GREEDY, cache_salt=salt) for salt in ("a", "b")]
+    fresh.step()
+    assert {s.request_id for s in fresh.scheduler.running} == set(rids)  # both computed at once
+
+
 def test_32_mixed_length_requests_batched_equal_alone(make_engine, base_engine):
     prompts = [prompt_ids(base_engine, 5 + (i * 37) % 120, seed=i) for i in range(32)]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
