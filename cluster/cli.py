@@ -29,6 +29,7 @@ BENCH_TARGETS: dict[str, str] = {
     "structured": "bench.structured",
     "speculative": "bench.speculative",
     "disaggregation": "bench.disaggregation",
+    "choices": "bench.choices",
 }
 
 

@@ -84,6 +84,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Off only to measure what waiting for a shared prefix saves (`duet bench choices`).
+        self.wait_for_shared_prefix = True
 
     # ------------------------------------------------------------ admission
     def add(self, req: Request) -> None:
@@ -173,7 +175,7 @@ class Scheduler:
         tokens beside it (the `n` choices of one request, or a burst of requests with
         one system prompt, arrive together). It cannot wait forever: the request it
         waits on is running, and running prefills get the budget before anything waiting."""
-        if req.num_computed_tokens or not self.kv.pool.enable_caching:
+        if req.num_computed_tokens or not self.wait_for_shared_prefix or not self.kv.pool.enable_caching:
             return False
         computing = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         if not computing:
