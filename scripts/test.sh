@@ -12,6 +12,9 @@ stage() {  # stage NAME COMMAND...: run it and say how long it took
     "$@"
     echo "test.sh: stage $name took $((SECONDS - start)) s"
 }
+# The suite's time depends on the CPU (AVX-512 or AVX2 only changes every model step ~2x): say which.
+echo "test.sh: $(nproc) cores; CPU $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | xargs);" \
+     "flags: $(grep -m1 -o -w -E 'avx2|avx512f|avx512_vnni|avx512_bf16|amx_tile' /proc/cpuinfo 2>/dev/null | tr '\n' ' ')" || true
 stage lint bash scripts/lint.sh
 if [ -x scripts/redis.sh ]; then bash scripts/redis.sh start || echo "redis unavailable: its tests will skip"; fi
 # Two workers: unit tests run torch on one thread (tests/unit/conftest.py), so one
