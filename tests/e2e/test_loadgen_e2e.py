@@ -1,4 +1,4 @@
-"""loadgen end to end against a real `duet serve`: a short `duet bench serve` sweep
+"""loadgen end to end against the session's real `duet serve` (tests/e2e/conftest.py): a short `duet bench serve` sweep
 writes JSON, Markdown and PNGs, and `duet plan --validate`, fitted on two tiny
 measured sweeps, prints the simulator's prediction against what the server did.
 
@@ -10,54 +10,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from serve_process import DUET, Served
 
 pytestmark = pytest.mark.e2e
 
-PORT = 8031  # not 8000 (demo) nor 8011 (the other e2e suite)
-URL = f"http://127.0.0.1:{PORT}"
-DUET = str(Path(sys.executable).with_name("duet"))
-READY_LINE = "duet is serving"
 PNGS = ("latency_vs_throughput.png", "ttft_tpot_cdf.png", "goodput_vs_rate.png")
 
 
-def _tail(path: Path, n: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """One `duet serve` (1 prefill + 1 decode) for the module, stopped with SIGTERM
-    (a background process may have SIGINT ignored by its shell)."""
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", PYTHONHASHSEED="0")
-    with open(log, "w") as f:
-        proc = subprocess.Popen([DUET, "serve", "--port", str(PORT), "--ready-timeout", "200"],
-                                stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while READY_LINE not in log.read_text(errors="replace"):
-            if proc.poll() is not None:
-                pytest.fail(f"duet serve exited with {proc.returncode}:\n{_tail(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"duet serve not ready within 240 s:\n{_tail(log)}")
-            time.sleep(1)
-        yield URL
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+@pytest.fixture
+def server(served: Served) -> str:
+    """The session's `duet serve` (tests/e2e/conftest.py): 1 prefill + 1 decode."""
+    return served.url
 
 
 def duet(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
