@@ -580,6 +580,17 @@ def decode_decisions() -> dict[str, float]:
     return out
 
 
+def decisions_after(before: dict[str, float], made: int = 1, timeout: float = 30) -> dict[str, float]:
+    """`decode_decisions()` once the `made` decisions since `before` have reached the
+    metrics agent (replicas report to it every few seconds, so a snapshot taken just
+    after a request may not have its decision yet)."""
+    def grown() -> dict[str, float] | None:
+        now = decode_decisions()
+        return now if sum(now.values()) >= sum(before.values()) + made else None
+
+    return wait_for(grown, timeout, interval=0.2, what=f"{made} decode decision(s) in the metrics agent")
+
+
 def placed_since(before: dict[str, float]) -> str | None:
     """The decode replica that got the one decision made since `before` (a stats call
     would not tell: Serve sends it to the least busy replica, not the serving one)."""

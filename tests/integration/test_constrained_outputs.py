@@ -14,6 +14,7 @@ import httpx
 import jsonschema
 import pytest
 from duet_cluster import (
+    decisions_after,
     decode_decisions,
     gateway_counter,
     kill_replica,
@@ -72,10 +73,12 @@ def test_fifteen_schema_requests_all_validate(duet):
 def test_a_structured_stream_survives_losing_its_decode_replica(duet):
     wait_replicas("decode", 2)
     body = {**_body("employee", 0, True), "temperature": 0}
+    earlier = decode_decisions()
     reference, finish = _chat(duet.url, body)
     assert finish == "stop"
     before = gateway_counter(duet, "duet_migrations_total")
-    placed = decode_decisions()
+    # With the reference request's own decision counted: the next one is the stream's.
+    placed = decisions_after(earlier)
     killed: list[str] = []
 
     def kill_at_fifth(n: int) -> None:

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 from duet_cluster import (
+    decisions_after,
     decode_decisions,
     gateway_counter,
     kill_replica,
@@ -61,10 +62,11 @@ def _stream(duet, on_chunk=None) -> tuple[str, list[dict]]:
 
 def test_a_decode_replica_killed_mid_stream_does_not_end_the_stream(duet):
     wait_replicas("decode", 2)
+    earlier = decode_decisions()
     reference, _ = _stream(duet)
     before = gateway_counter(duet, "duet_migrations_total")
-    # The reference stream's decision was made (and exported) seconds ago.
-    placed = decode_decisions()
+    # With the reference stream's own decision counted: the next one is the stream's.
+    placed = decisions_after(earlier)
     killed: list[str] = []
 
     def kill_at_tenth(request_id: str, n: int) -> None:
