@@ -564,35 +564,13 @@ def wait_baseline(duet: Duet, pool: str, timeout: float = 120) -> dict[str, dict
     return idle
 
 
-def decode_decisions() -> dict[str, float]:
-    """Decode routing decisions so far, by replica, from this session's Ray metrics
-    agent (the decode router in the gateway counts each `generate` it places)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
+def serving_replica(pool: str) -> str | None:
+    """The one replica of `pool` with a call in flight, by Serve's own count asked of
+    each replica's actor directly (a stats call through Serve goes to the least busy
+    replica, never the serving one); None unless exactly one is busy."""
+    import ray
 
-    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "ray_duet_router_decisions_total" and sample.labels.get("pool") == "decode":
-                replica = sample.labels["replica"]
-                out[replica] = out.get(replica, 0.0) + sample.value
-    return out
-
-
-def decisions_after(before: dict[str, float], made: int = 1, timeout: float = 30) -> dict[str, float]:
-    """`decode_decisions()` once the `made` decisions since `before` have reached the
-    metrics agent (replicas report to it every few seconds, so a snapshot taken just
-    after a request may not have its decision yet)."""
-    def grown() -> dict[str, float] | None:
-        now = decode_decisions()
-        return now if sum(now.values()) >= sum(before.values()) + made else None
-
-    return wait_for(grown, timeout, interval=0.2, what=f"{made} decode decision(s) in the metrics agent")
-
-
-def placed_since(before: dict[str, float]) -> str | None:
-    """The decode replica that got the one decision made since `before` (a stats call
-    would not tell: Serve sends it to the least busy replica, not the serving one)."""
-    grown = [r for r, n in decode_decisions().items() if n > before.get(r, 0.0)]
-    return grown[0] if len(grown) == 1 else None
+    busy = [r for r in live_replicas(pool)
+            if ray.get(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{r}", namespace="serve")
+                       .get_num_ongoing_requests.remote(), timeout=10) > 0]
+    return busy[0] if len(busy) == 1 else None
