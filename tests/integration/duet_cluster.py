@@ -459,20 +459,29 @@ def wait_idle(duet: Duet, timeout: float = 20.0) -> None:
         raise AssertionError(f"{e}; last stats: {detail}") from None
 
 
-def kill_replica(replica_id: str) -> None:
-    """Kill one Serve replica's actor (`decode#abc` → SERVE_REPLICA::duet#decode#abc); Serve replaces it."""
+_REPLICA_ACTOR_PREFIX = f"SERVE_REPLICA::{APP_NAME}#"  # + a replica id (`decode#abc`)
+
+
+def _replica_actor(replica_id: str):
+    """The Ray actor of one Serve replica (`decode#abc` → SERVE_REPLICA::duet#decode#abc)."""
     import ray
 
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{replica_id}", namespace="serve"), no_restart=True)
+    return ray.get_actor(f"{_REPLICA_ACTOR_PREFIX}{replica_id}", namespace="serve")
+
+
+def kill_replica(replica_id: str) -> None:
+    """Kill one Serve replica's actor; Serve replaces it."""
+    import ray
+
+    ray.kill(_replica_actor(replica_id), no_restart=True)
 
 
 def live_replicas(pool: str) -> set[str]:
     """Replica ids (`decode#abc`) of `pool` whose actors are alive."""
     import ray
 
-    prefix = f"SERVE_REPLICA::{APP_NAME}#"
-    return {a["name"].removeprefix(prefix) for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(f"{prefix}{pool}#")}
+    return {a["name"].removeprefix(_REPLICA_ACTOR_PREFIX) for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"{_REPLICA_ACTOR_PREFIX}{pool}#")}
 
 
 def wait_replicas(pool: str, n: int, timeout: float = 240, exact: bool = False) -> None:
@@ -571,6 +580,5 @@ def serving_replica(pool: str) -> str | None:
     import ray
 
     busy = [r for r in live_replicas(pool)
-            if ray.get(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{r}", namespace="serve")
-                       .get_num_ongoing_requests.remote(), timeout=10) > 0]
+            if ray.get(_replica_actor(r).get_num_ongoing_requests.remote(), timeout=10) > 0]
     return busy[0] if len(busy) == 1 else None

@@ -12,8 +12,7 @@ import uuid
 import httpx
 import openai
 import pytest
-import ray
-from duet_cluster import APP_NAME, wait_for, wait_idle
+from duet_cluster import kill_replica, live_replicas, wait_for, wait_idle
 
 from engine.tokenizer import load_tokenizer
 from engine.weights import SMOLLM2_ID
@@ -27,19 +26,17 @@ def client(duet, timeout: float = CLIENT_TIMEOUT) -> openai.OpenAI:
     return openai.OpenAI(base_url=duet.base_url, api_key="unused", max_retries=0, timeout=timeout)
 
 
-def replica_actor(deployment: str):
-    """The (single) Serve replica actor of one deployment of the duet app."""
-    names = [
-        a for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#{deployment}#")
-    ]
-    assert len(names) == 1, names
-    return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), names[0]["name"]
+def single_replica(deployment: str) -> str:
+    """The id of the single Serve replica of one deployment of the duet app."""
+    ids = live_replicas(deployment)
+    assert len(ids) == 1, ids
+    (replica_id,) = ids
+    return replica_id
 
 
 def wait_replaced(duet, deployment: str, old_name: str) -> None:
     def replaced():
-        _, name = replica_actor(deployment)
+        name = single_replica(deployment)
         return name != old_name and duet.stats(deployment)["kv_blocks_total"] > 0
 
     wait_for(replaced, timeout=180, interval=1.0, what=f"Serve to replace the {deployment} replica")
@@ -145,8 +142,8 @@ def test_decode_replica_killed_mid_stream(duet):
     )
     wait_for(lambda: out["chunks"] >= 3 or out["error"], timeout=60, interval=0.05, what="the stream to start")
     assert out["error"] is None
-    actor, name = replica_actor("decode")
-    ray.kill(actor, no_restart=True)
+    name = single_replica("decode")
+    kill_replica(name)
     t.join(CLIENT_TIMEOUT + 10)
     assert not t.is_alive(), "the client hung after its decode replica died"
     assert not out["done"] and isinstance(out["error"], openai.APIError), out
@@ -172,8 +169,8 @@ def test_prefill_replica_killed_mid_request(duet):
         return s["num_running"] + s["num_waiting"] > 0
 
     wait_for(in_prefill, timeout=60, interval=0.02, what="the prompt to reach prefill")
-    actor, name = replica_actor("prefill")
-    ray.kill(actor, no_restart=True)
+    name = single_replica("prefill")
+    kill_replica(name)
     t.join(CLIENT_TIMEOUT + 10)
     assert not t.is_alive(), "the client hung after its prefill replica died"
     assert not out["done"] and isinstance(out["error"], openai.APIError), out
