@@ -163,13 +163,15 @@ class ChaosSoak:
         await self._http.aclose()
 
     async def take_reference(self) -> None:
-        """Each case once, greedy and alone, before any fault: the expected texts."""
-        for case in self.cases:
-            r = Result(-1, case.index, stream=False, greedy=True, disconnect_after=None)
-            await self._send(case, r, seed=None)
+        """Each case once, greedy, before any fault: the expected texts. Sent together:
+        greedy output does not depend on what else shares the batch (the engine's
+        batched-equals-alone tests), and the soak itself relies on that."""
+        refs = [Result(-1, case.index, stream=False, greedy=True, disconnect_after=None) for case in self.cases]
+        await asyncio.gather(*(self._send(case, r, seed=None) for case, r in zip(self.cases, refs, strict=True)))
+        for r in refs:
             if r.outcome != "completed":
-                raise RuntimeError(f"reference request for case {case.index} failed: {r.status} {r.error}")
-            self.reference[case.index] = r.text
+                raise RuntimeError(f"reference request for case {r.case} failed: {r.status} {r.error}")
+            self.reference[r.case] = r.text
 
     async def run(self) -> SoakReport:
         if not self.reference:

@@ -25,7 +25,7 @@ stage unit "$VENV/bin/python" -m pytest -m unit -q -p no:cacheprovider -n 2 --du
 stage integration "$VENV/bin/python" -m pytest -m integration -q -p no:cacheprovider --durations=12 tests/integration
 stage e2e "$VENV/bin/python" -m pytest -m e2e -q -p no:cacheprovider --durations=5 tests/e2e
 # Three Ray nodes in network namespaces (root; skipped without): a cluster of its own.
-stage multinode "$VENV/bin/python" -m pytest -m multinode -q -p no:cacheprovider tests/multinode
+stage multinode "$VENV/bin/python" -m pytest -m multinode -q -p no:cacheprovider --durations=5 tests/multinode
 # The image (deploy/Containerfile) built and booted: slow, so only when asked for.
 if [ "${DUET_IMAGE_TEST:-0}" = 1 ]; then
     stage image-build bash scripts/image.sh
