@@ -30,6 +30,7 @@ BENCH_TARGETS: dict[str, str] = {
     "speculative": "bench.speculative",
     "disaggregation": "bench.disaggregation",
     "choices": "bench.choices",
+    "phases": "bench.phases",
 }
 
 
