@@ -145,4 +145,5 @@ def build_app(cfg: ClusterConfig):
         **_pool_args(cfg, cfg.decode), transfer=cfg.transfer.model_dump()
     )
     return gateway.bind(**gateway_args, prefill=prefill, decode=decode,
-                        disaggregation=cfg.router.disaggregation.model_dump())
+                        disaggregation=cfg.router.disaggregation.model_dump(),
+                        transfer_timeout_s=cfg.transfer.timeout_s)

@@ -8,6 +8,7 @@ the right status; an error after streaming began is sent as a final SSE event.
 
 
 import asyncio
+import dataclasses
 import logging
 
 from fastapi import FastAPI, Request
@@ -98,12 +99,13 @@ class Gateway:
 
     def __init__(
         self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None, telemetry: dict | None = None,
-        slo: dict | None = None, disaggregation: dict | None = None,
+        slo: dict | None = None, disaggregation: dict | None = None, transfer_timeout_s: float | None = None,
     ):
         """`gateway`, `engine`, `telemetry`, `slo` and `disaggregation` are a dumped
         `GatewayConfig`, the pools' `EngineConfig`, a `TelemetryConfig`, an `SLOConfig`
         and the router's `DisaggregationConfig`; `aggregated` set means aggregated mode,
-        else `prefill` and `decode` are the pools."""
+        else `prefill` and `decode` are the pools, and `transfer_timeout_s` bounds one
+        KV pull (`transfer.timeout_s`)."""
         self.cfg = GatewayConfig.model_validate(gateway)
         self.engine_cfg = EngineConfig.model_validate(engine)
         self.mode = "aggregated" if aggregated is not None else "disaggregated"
@@ -119,6 +121,9 @@ class Gateway:
         self.signals = GatewaySignals(slo_cfg.ttft_ms, slo_cfg.tpot_ms, quantile=slo_cfg.goodput_target)
         self.keys = APIKeys.load(self.cfg.api_keys_file)
         self.resilience = pipeline.Resilience(self.cfg.max_migrations, self.cfg.prefill_retries)
+        if transfer_timeout_s is not None:
+            self.resilience = dataclasses.replace(
+                self.resilience, decode_start_grace_s=transfer_timeout_s + pipeline.DECODE_START_MARGIN_S)
         self.placement = DisaggregationConfig.model_validate(disaggregation or {})
         self.admission = Admission(
             KeyLimiter(self.cfg.max_in_flight_per_key, self.cfg.tokens_per_minute_per_key),

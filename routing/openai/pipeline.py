@@ -68,9 +68,10 @@ _REPLICA_GONE = (RayActorError, ActorUnavailableError, EngineDead)
 _SOURCE_LOST = (RejectReason.TRANSFER_FAILED, RejectReason.LEASE_EXPIRED)
 # Past its lease a decode call cannot import the KV any more, so one that has not
 # produced its first output by then never will (Serve queues a call while the pool
-# has no live replica: a lost node, nowhere to place a new one). This much later
-# still: a pull begun just before the lease ended is bounded by transfer.timeout_s.
-_DECODE_START_GRACE_S = 15.0
+# has no live replica: a lost node, nowhere to place a new one). A pull begun just
+# before the lease ended is bounded by `transfer.timeout_s`; this much more covers
+# the import and the first step (`Resilience.decode_start_grace_s`).
+DECODE_START_MARGIN_S = 5.0
 # Every request through the prefill pool (router.disaggregation's default).
 _ALWAYS = DisaggregationConfig()
 
@@ -86,10 +87,13 @@ class Timing:
 
 @dataclass(frozen=True)
 class Resilience:
-    """How many replica deaths one request may survive (`gateway:` settings)."""
+    """How many replica deaths one request may survive (`gateway:` settings), and how
+    long past its lease a decode call may take to produce its first output before
+    the pass counts as lost: the longest pull (`transfer.timeout_s`) plus a margin."""
 
     max_migrations: int = 0
     prefill_retries: int = 0
+    decode_start_grace_s: float = 10.0 + DECODE_START_MARGIN_S  # transfer.timeout_s's default
 
 
 class Outcome(StrEnum):
@@ -166,7 +170,8 @@ class _Pass:
             finished = False  # the request's final output came through
             try:
                 batches = stream.__aiter__()
-                outs = await _first_batch(batches, max(0.0, handle.lease_expiry - time.time()) + _DECODE_START_GRACE_S)
+                grace = self.resilience.decode_start_grace_s
+                outs = await _first_batch(batches, max(0.0, handle.lease_expiry - time.time()) + grace)
                 while True:
                     finished = outs[-1].finished
                     yield outs

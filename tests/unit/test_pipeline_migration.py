@@ -238,11 +238,11 @@ class _NeverStarted:
         self.cancelled = True
 
 
-async def test_a_decode_call_no_replica_starts_fails_once_its_lease_is_over(make_engine, prompt, monkeypatch):
-    monkeypatch.setattr(pipeline, "_DECODE_START_GRACE_S", 0.2)
+async def test_a_decode_call_no_replica_starts_fails_once_its_lease_is_over(make_engine, prompt):
     prefill, decode = FakePrefill(make_engine(), lease_s=0.1), _NeverStarted()
+    resilience = pipeline.Resilience(decode_start_grace_s=0.2)
     with pytest.raises(pipeline.UpstreamError, match="no decode replica started the request") as e:
-        await collect(pipeline.disaggregated(prefill, decode, request(prompt), pipeline.Timing()))
+        await collect(pipeline.disaggregated(prefill, decode, request(prompt), pipeline.Timing(), resilience))
     assert e.value.capacity  # a 503: retry later
     assert decode.cancelled  # the Serve call is withdrawn
 
@@ -356,3 +356,9 @@ async def test_a_request_that_ended_at_prefill_without_a_token_is_one_final_outp
     outs = await collect(pipeline.disaggregated(DeadEnd(), None, request([1, 2, 3]), pipeline.Timing()))
     assert len(outs) == 1 and outs[0].finished and outs[0].new_token_ids == []
     assert outs[0].finish_reason == FinishReason.GRAMMAR_DEAD_END and outs[0].num_output_tokens == 0
+
+
+def test_the_decode_start_grace_is_the_longest_pull_plus_a_margin():
+    from kvtransfer.config import TransferConfig
+
+    assert pipeline.Resilience().decode_start_grace_s == TransferConfig().timeout_s + pipeline.DECODE_START_MARGIN_S

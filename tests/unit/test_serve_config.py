@@ -107,3 +107,10 @@ def test_the_serve_policy_reads_every_deployment_and_decides_the_goodput_pools()
     # 600 prompt tokens/s against ~282 per replica at 80%: three prefill replicas; decode stays.
     assert decisions == {"p-id": 3, "d-id": 1}
     assert state == {}
+
+
+def test_the_gateway_waits_for_a_decode_start_as_long_as_a_pull_may_take():
+    from cluster.app import build_app
+
+    app = build_app(load_config(None, {"transfer.timeout_s": 30.0}))
+    assert app._bound_deployment.init_kwargs["transfer_timeout_s"] == 30.0  # Gateway's resilience reads it
