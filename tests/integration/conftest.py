@@ -11,7 +11,19 @@ redeploy costs model loads.
 from __future__ import annotations
 
 import pytest
-from duet_cluster import CLUSTERS, Deployer, Duet, RedisServer, cluster_config, redis_ports, start_ray, stop_ray
+from duet_cluster import (
+    CLUSTERS,
+    OTLP_PORT,
+    Deployer,
+    Duet,
+    RedisServer,
+    cluster_config,
+    redis_ports,
+    start_ray,
+    stop_ray,
+)
+
+from telemetry.otlp_sink import OTLPSink
 
 
 def pytest_configure(config):
@@ -77,8 +89,21 @@ def cluster_redis(request, redis_servers) -> RedisServer | None:
     return redis
 
 
+@pytest.fixture(scope="session")
+def otlp_sink():
+    """The span sink a traced config exports to, listening from before its cluster's
+    first span to the session's end: an exporter that finds nobody listening backs
+    off, and would hold later spans back."""
+    sink = OTLPSink(OTLP_PORT)
+    yield sink
+    sink.close()
+
+
 @pytest.fixture
 def duet(request, deployer, cluster_redis) -> Duet:
     """The duet app for this test's ``cluster`` marker (default: nixl, disaggregated),
-    deployed after its Redis is up."""
-    return deployer(_cluster_name(request.node) or "nixl")
+    deployed after its Redis (and, if it traces, its span sink) is up."""
+    name = _cluster_name(request.node) or "nixl"
+    if cluster_config(name).telemetry.tracing:
+        request.getfixturevalue("otlp_sink")
+    return deployer(name)

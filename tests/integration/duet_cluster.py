@@ -99,8 +99,6 @@ CLUSTERS: dict[str, dict] = {
     # two proves it exact through a served path (test_cluster_api.py).
     "torch": {"transfer.backend": "torch", "engine.speculative": SPECULATIVE},
     "aggregated": {"mode": "aggregated", "engine.speculative": SPECULATIVE},
-    # Short leases (TTL path) and a decode pool too small for long prompts (reject path).
-    "small": {"transfer.lease_ttl_s": 3.0, "decode.num_kv_blocks": 4},
     # API keys, one request in flight and 1,100 tokens a minute per key, 8 KiB bodies,
     # 10 s per request, 40 header fields, one CORS origin, each key's KV its own.
     "secure": {
@@ -113,11 +111,13 @@ CLUSTERS: dict[str, dict] = {
         "gateway.max_headers": 40,
         "gateway.cors_allow_origins": [CORS_ORIGIN],
     },
-    # Every span to the test's OTLP sink, exported within 0.2 s.
+    # Every span to the session's OTLP sink, exported within 0.2 s; short leases (the
+    # TTL path) and a decode pool too small for long prompts (the reject path, traced).
     "traced": {
         "telemetry.tracing": True,
         "telemetry.otlp_endpoint": f"http://127.0.0.1:{OTLP_PORT}",
         "telemetry.export_delay_ms": 200,
+        "transfer.lease_ttl_s": 3.0,
         "decode.num_kv_blocks": TRACED_DECODE_BLOCKS,
     },
     # The goodput policy on prefill (1-2 replicas) and decode (held at 1), reacting

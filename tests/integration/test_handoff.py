@@ -67,7 +67,7 @@ def test_release_leaves_blocks_as_prefix_cache(duet):
     wait_idle(duet)
 
 
-@pytest.mark.cluster("small")
+@pytest.mark.cluster("traced")
 def test_lease_expires_when_decode_never_pulls(duet):
     wait_idle(duet)
     ids = load_tokenizer(duet.cfg.engine.model).encode(unique_prompt(30))
@@ -101,12 +101,12 @@ def test_lease_expires_when_decode_never_pulls(duet):
     wait_idle(duet)
 
 
-@pytest.mark.cluster("small")
+@pytest.mark.cluster("traced")
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_decode_rejects_when_full_and_prefill_frees_at_once(duet, stream):
     wait_idle(duet)
     c = client(duet)
-    prompt = unique_prompt(120)  # > 4 blocks: more than the whole decode pool
+    prompt = unique_prompt(150)  # > TRACED_DECODE_BLOCKS blocks: more than the whole decode pool
     p0, d0 = duet.stats("prefill"), duet.stats("decode")
     with pytest.raises(openai.APIError) as err:
         if stream:
@@ -126,7 +126,7 @@ def test_decode_rejects_when_full_and_prefill_frees_at_once(duet, stream):
     assert d["import_rejects"] == d0["import_rejects"] + 1
     assert d["transfer_count"] == d0["transfer_count"]
 
-    # A prompt that fits the small decode pool is still served.
+    # A prompt that fits the decode pool is still served.
     ok = c.completions.create(model=SMOLLM2_ID, prompt="Hello", max_tokens=4, temperature=0)
     assert ok.usage.completion_tokens == 4
     wait_idle(duet)

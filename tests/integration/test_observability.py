@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from duet_cluster import BLOCK_SIZE, BYTES_PER_BLOCK, METRICS_PORT, OTLP_PORT, TRACED_DECODE_BLOCKS, wait_for, wait_idle
+from duet_cluster import BLOCK_SIZE, BYTES_PER_BLOCK, METRICS_PORT, TRACED_DECODE_BLOCKS, wait_for, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry import metrics
@@ -28,16 +28,14 @@ CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_t
         "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def sink():
-    s = OTLPSink(OTLP_PORT)
-    yield s
-    s.close()
+@pytest.fixture
+def sink(otlp_sink) -> OTLPSink:
+    return otlp_sink
 
 
 @pytest.fixture
-def traced(sink, duet):
-    """The traced cluster, with its sink listening before any request."""
+def traced(duet):
+    """The traced cluster (its sink listens for the whole session: conftest.py)."""
     return duet
 
 
@@ -130,13 +128,17 @@ def test_a_client_traceparent_is_continued(traced, sink):
 
 
 def test_a_refused_import_is_a_failed_transfer_on_the_trace(traced, sink):
+    # Other tests of this cluster are refused too (test_handoff.py): count from here.
+    seen = len(sink.find(**{"duet.transfer.result": "rejected"}))
+    refused = _sum(_scrape(), "ray_duet_kv_transfer_failures_total", pool="decode", reason="no_free_blocks")
     long_prompt = " ".join(["blue green red"] * 120)  # > TRACED_DECODE_BLOCKS blocks of tokens
     r = httpx.post(f"{traced.url}/v1/completions", json={"prompt": long_prompt, "max_tokens": 4}, timeout=120)
     assert r.status_code == 503, r.text
-    spans = wait_for(lambda: sink.find(**{"duet.transfer.result": "rejected"}), 60, what="a rejected transfer span")
+    spans = wait_for(lambda: sink.find(**{"duet.transfer.result": "rejected"})[seen:], 60,
+                     what="a rejected transfer span")
     assert spans[0].status_code == 2 and spans[0].attributes["duet.transfer.blocks"] > TRACED_DECODE_BLOCKS
     wait_for(lambda: _sum(_scrape(), "ray_duet_kv_transfer_failures_total", pool="decode",
-                          reason="no_free_blocks") >= 1,
+                          reason="no_free_blocks") >= refused + 1,
              30, what="the refused import counted by reason")
     wait_idle(traced)
 
