@@ -23,19 +23,15 @@ from pathlib import Path
 
 import httpx
 
+from bench.machine_ceilings import cpu_flags
 from cluster import serve_cli
 from cluster.config import load_config
-from engine.config import cpu_flags
 from telemetry.otlp_sink import OTLPSink, ReceivedSpan
 
 MODES = ("disaggregated", "aggregated")
 # A request's spans as both modes name them; the gateway's SERVER span is the root.
 _PHASES = ("route prefill", "prefill", "prefill.compute", "route decode", "decode", "kv_transfer", "decode.compute",
            "generate", "aggregated.compute")
-
-
-def _cpu_flags() -> list[str]:
-    return sorted(f for f in cpu_flags() if f in {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
 
 
 def _one(url: str, model: str, words: int, output_len: int, index: int) -> tuple[str, float, float]:
@@ -168,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         sink.close()
     summary = summarize(runs, a.prompt_words)
     print(table(summary))
-    result = {"machine": {"cpus": os.cpu_count(), "cpu_flags": _cpu_flags()},
+    result = {"machine": {"cpus": os.cpu_count(), "cpu_flags": cpu_flags()},
               "load": {"prompt_words": a.prompt_words, "output_len": a.output_len, "concurrency": 1, "stream": True},
               "rounds": a.rounds, "summary": summary,
               "runs": {m: [{str(w): rows for w, rows in rnd.items()} for rnd in rounds] for m, rounds in runs.items()}}

@@ -21,14 +21,10 @@ from pathlib import Path
 import httpx
 
 from bench.loadgen_subprocess import run_loadgen, summarize
+from bench.machine_ceilings import cpu_flags
 from cluster import serve_cli
 from cluster.config import load_config
-from engine.config import cpu_flags
 from telemetry.otlp_sink import OTLPSink, render_tree
-
-
-def _cpu_flags() -> list[str]:
-    return sorted(f for f in cpu_flags() if f in {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
 
 
 def one_trace(url: str, sink: OTLPSink, output_len: int) -> str:
@@ -115,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             "ttft_change": med["on"]["ttft_p50_ms"] / med["off"]["ttft_p50_ms"] - 1,
         })
     result = {
-        "machine": {"cpus": os.cpu_count(), "cpu_flags": _cpu_flags()},
+        "machine": {"cpus": os.cpu_count(), "cpu_flags": cpu_flags()},
         "load": {"input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts, "stream": True},
         "rounds": a.rounds,
         "spans_exported_per_on_round": spans_per_round,

@@ -8,7 +8,6 @@ the right status; an error after streaming began is sent as a final SSE event.
 
 
 import asyncio
-import dataclasses
 import logging
 
 from fastapi import FastAPI, Request
@@ -120,10 +119,9 @@ class Gateway:
         slo_cfg = SLOConfig.model_validate(slo or {})
         self.signals = GatewaySignals(slo_cfg.ttft_ms, slo_cfg.tpot_ms, quantile=slo_cfg.goodput_target)
         self.keys = APIKeys.load(self.cfg.api_keys_file)
-        self.resilience = pipeline.Resilience(self.cfg.max_migrations, self.cfg.prefill_retries)
-        if transfer_timeout_s is not None:
-            self.resilience = dataclasses.replace(
-                self.resilience, decode_start_grace_s=transfer_timeout_s + pipeline.DECODE_START_MARGIN_S)
+        grace = {} if transfer_timeout_s is None else {
+            "decode_start_grace_s": transfer_timeout_s + pipeline.DECODE_START_MARGIN_S}
+        self.resilience = pipeline.Resilience(self.cfg.max_migrations, self.cfg.prefill_retries, **grace)
         self.placement = DisaggregationConfig.model_validate(disaggregation or {})
         self.admission = Admission(
             KeyLimiter(self.cfg.max_in_flight_per_key, self.cfg.tokens_per_minute_per_key),

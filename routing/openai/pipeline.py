@@ -43,6 +43,7 @@ from ray.serve.context import _set_request_context
 from engine.async_engine import EngineDead
 from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
+from kvtransfer.config import TransferConfig
 from kvtransfer.handoff import LeaseGuard
 from kvtransfer.messages import DecodeRequest, ImportFailed, PrefillRequest, PrefillResult, RejectReason
 from routing.openai.errors import deadline_exceeded
@@ -93,7 +94,7 @@ class Resilience:
 
     max_migrations: int = 0
     prefill_retries: int = 0
-    decode_start_grace_s: float = 10.0 + DECODE_START_MARGIN_S  # transfer.timeout_s's default
+    decode_start_grace_s: float = TransferConfig().timeout_s + DECODE_START_MARGIN_S
 
 
 class Outcome(StrEnum):

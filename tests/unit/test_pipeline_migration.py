@@ -356,9 +356,3 @@ async def test_a_request_that_ended_at_prefill_without_a_token_is_one_final_outp
     outs = await collect(pipeline.disaggregated(DeadEnd(), None, request([1, 2, 3]), pipeline.Timing()))
     assert len(outs) == 1 and outs[0].finished and outs[0].new_token_ids == []
     assert outs[0].finish_reason == FinishReason.GRAMMAR_DEAD_END and outs[0].num_output_tokens == 0
-
-
-def test_the_decode_start_grace_is_the_longest_pull_plus_a_margin():
-    from kvtransfer.config import TransferConfig
-
-    assert pipeline.Resilience().decode_start_grace_s == TransferConfig().timeout_s + pipeline.DECODE_START_MARGIN_S
