@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from loadgen.metrics import parse_goodput
 from loadgen.planner import PlanTarget, fit_decode, fit_prefill, recommend
 from loadgen.plots import write_plots
 from loadgen.report import load_points, markdown_summary, write_json, write_markdown
-from loadgen.simulator import Traffic
+from loadgen.simulator import LocalPrefill, Traffic
 from loadgen.tokenizer import load_tokenizer
 from loadgen.validation import ValidationSetup, format_comparison, validate
 from loadgen.workloads import WORKLOADS, WorkloadSpec
@@ -113,6 +114,12 @@ def plan_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=int, default=2000, help="simulated requests")
     ap.add_argument("--max-replicas", type=int, default=64)
     ap.add_argument("--transfer-ms", type=float, default=0.0, help="KV handoff time added before decode")
+    ap.add_argument("--disaggregation", choices=("always", "never", "auto"), default="always",
+                    help="the cluster's router.disaggregation mode: where prompts are prefilled")
+    ap.add_argument("--max-local-prompt-tokens", type=int, default=256,
+                    help="auto: prompts this long or shorter are prefilled on decode")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512,
+                    help="the decode engine's token budget per step (engine.max_num_batched_tokens)")
     ap.add_argument("--out", default=None, help="write plan.json here")
     ap.add_argument("--validate", action="store_true", help="run a scaled-down version against --base-url")
     ap.add_argument("--validate-num-prompts", type=int, default=50)
@@ -123,6 +130,14 @@ def plan_parser() -> argparse.ArgumentParser:
                                                          "summary.md and plots")
     _add_server_args(ap)
     return ap
+
+
+def local_prefill(args: argparse.Namespace) -> LocalPrefill | None:
+    """The simulator's model of `--disaggregation` (None: `always`)."""
+    if args.disaggregation == "always":
+        return None
+    limit = math.inf if args.disaggregation == "never" else args.max_local_prompt_tokens
+    return LocalPrefill(limit, args.max_num_batched_tokens)
 
 
 def plan_main(argv: list[str]) -> int:
@@ -136,17 +151,21 @@ def plan_main(argv: list[str]) -> int:
     except (ValueError, OSError, KeyError) as e:
         ap.error(str(e))
     plan = recommend(prefill, decode, target, args.num_requests, args.seed, args.max_replicas,
-                     args.transfer_ms / 1000)
+                     args.transfer_ms / 1000, local_prefill(args))
     print(f"prefill model: service = {prefill.a_s * 1e3:.2f} ms + {prefill.b_s_per_token * 1e3:.4f} ms/token")
     print(f"decode model:  step = {decode.c_s * 1e3:.2f} ms + {decode.d_s_per_seq * 1e3:.3f} ms x batch "
           f"(max batch {decode.max_batch})")
+    if plan.local_prefill is not None:
+        print(f"disaggregation: {args.disaggregation} (prompts of <= {plan.local_prefill.max_prompt_tokens:g} tokens "
+              f"prefilled on decode, {plan.local_prefill.token_budget} tokens per decode step)")
     print(f"recommendation for {args.rate:g} req/s, goodput target {args.goodput_target:.0%}: "
           f"{plan.prefill_replicas} prefill + {plan.decode_replicas} decode replicas"
           + ("" if plan.feasible else " (INFEASIBLE: " + "; ".join(plan.notes) + ")"))
     for k, v in plan.predicted.items():
         print(f"  predicted {k:<16} {v:10.3f}")
     result = {"target": {"rate": args.rate, "input_len": args.input_len, "output_len": args.output_len,
-                         "burstiness": args.burstiness, "slo": target.slo.describe(),
+                         "burstiness": args.burstiness, "disaggregation": args.disaggregation,
+                         "slo": target.slo.describe(),
                          "goodput_target": args.goodput_target}, "plan": plan.to_dict()}
     if args.validate:
         setup = ValidationSetup(

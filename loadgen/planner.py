@@ -10,6 +10,10 @@ Inputs are `duet bench serve` results (report.py point objects):
 - a decode-heavy sweep (short input, long output): per point, the mean batch per
   replica (Little's law: completed req/s x mean decode time / replicas) against
   mean TPOT gives step time c + d * batch.
+
+With prefill on decode (`LocalPrefill`: the router's `disaggregation: auto` or
+`never`), the prefill pool is sized on the prompts it still gets, and a local prompt's
+TTFT counts against the decode pool, where it is computed.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from loadgen.metrics import SLO
-from loadgen.simulator import DecodeModel, PrefillModel, Traffic, simulate
+from loadgen.simulator import DecodeModel, LocalPrefill, PrefillModel, SimResult, Traffic, simulate
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class Plan:
     prefill_model: PrefillModel
     decode_model: DecodeModel
     notes: list[str] = field(default_factory=list)
+    transfer_s: float = 0.0
+    local_prefill: LocalPrefill | None = None  # None: every prompt through the prefill pool
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +69,10 @@ class Plan:
                               "b_ms_per_token": self.prefill_model.b_s_per_token * 1e3},
             "decode_model": {"c_ms": self.decode_model.c_s * 1e3, "d_ms_per_seq": self.decode_model.d_s_per_seq * 1e3,
                              "max_batch": self.decode_model.max_batch},
+            "transfer_ms": self.transfer_s * 1e3,
+            "local_prefill": None if self.local_prefill is None else {
+                "max_prompt_tokens": self.local_prefill.max_prompt_tokens,
+                "token_budget": self.local_prefill.token_budget},
             "notes": self.notes,
         }
 
@@ -148,6 +158,18 @@ def fit_decode(points: list[dict[str, Any]], replicas: int = 1, max_batch: int =
     return DecodeModel(c, d, max_batch)
 
 
+def _shortfalls(sim: SimResult, pre_slo: SLO, dec_slo: SLO) -> tuple[float, float]:
+    """(prefill pool's, decode pool's) goodput ratios on what each pool decides: the
+    TTFT of the prompts the prefill pool computes; the TPOT of all, and the TTFT of the
+    prompts computed on decode."""
+    local = sim.local if sim.local is not None else np.zeros(len(sim.ttft), bool)
+    pre = sim.goodput_ratio(pre_slo, among=~local) if not pre_slo.empty else 1.0
+    dec = sim.goodput_ratio(dec_slo) if not dec_slo.empty else 1.0
+    if not pre_slo.empty and local.any():
+        dec = min(dec, sim.goodput_ratio(pre_slo, among=local))
+    return pre, dec
+
+
 def recommend(
     prefill: PrefillModel,
     decode: DecodeModel,
@@ -156,29 +178,35 @@ def recommend(
     seed: int = 0,
     max_replicas: int = 64,
     transfer_s: float = 0.0,
+    local_prefill: LocalPrefill | None = None,
 ) -> Plan:
     """Fewest replicas per pool meeting the goodput target in simulation.
 
-    Each pool is sized first against its own SLO (TTFT depends only on prefill),
-    then the joint simulation adds a replica to the weaker pool until the joint
-    goodput meets the target or `max_replicas` is reached (then infeasible)."""
+    Each pool is sized first against its own SLO (TTFT depends only on prefill, or on
+    decode for a prompt `local_prefill` keeps there), then the joint simulation adds a
+    replica to the weaker pool until the joint goodput meets the target or
+    `max_replicas` is reached (then infeasible)."""
     tr, slo, g = target.traffic, target.slo, target.goodput_target
-    run = lambda p, d: simulate(prefill, decode, p, d, tr, num_requests, seed, transfer_s)  # noqa: E731
+    run = lambda p, d: simulate(prefill, decode, p, d, tr, num_requests, seed, transfer_s,  # noqa: E731
+                                local_prefill)
     pre_slo = SLO(ttft_ms=slo.ttft_ms)
     dec_slo = SLO(tpot_ms=slo.tpot_ms)
-    mean_in, mean_out = tr.input_len.mean, tr.output_len.mean
-    p = max(1, math.ceil(tr.rate * float(prefill.service_s(mean_in))))
-    while p < max_replicas and not pre_slo.empty and simulate(
-            prefill, None, p, 0, tr, num_requests, seed).goodput_ratio(pre_slo) < g:
+    # The prefill pool's share of the traffic: every prompt, or those it keeps remote.
+    lengths = tr.input_len.sample(np.random.default_rng(seed), num_requests).astype(float)
+    remote = lengths if local_prefill is None else lengths[~local_prefill.is_local(lengths)]
+    work_s = float(np.sum(prefill.service_s(remote))) / len(lengths) if len(remote) else 0.0
+    p = max(1, math.ceil(tr.rate * work_s))
+    while p < max_replicas and not pre_slo.empty and _shortfalls(
+            simulate(prefill, None, p, 0, tr, num_requests, seed, local_prefill=local_prefill),
+            pre_slo, SLO())[0] < g:
         p += 1
-    d = max(1, math.ceil(tr.rate * max(mean_out - 1, 0) / decode.max_tokens_per_s()))
+    d = max(1, math.ceil(tr.rate * max(tr.output_len.mean - 1, 0) / decode.max_tokens_per_s()))
     sim = run(p, d)
-    while d < max_replicas and not dec_slo.empty and sim.goodput_ratio(dec_slo) < g:
+    while d < max_replicas and _shortfalls(sim, pre_slo, dec_slo)[1] < g:
         d += 1
         sim = run(p, d)
     while sim.goodput_ratio(slo) < g and (p < max_replicas or d < max_replicas):
-        weak_pre = sim.goodput_ratio(pre_slo) if not pre_slo.empty else 1.0
-        weak_dec = sim.goodput_ratio(dec_slo) if not dec_slo.empty else 1.0
+        weak_pre, weak_dec = _shortfalls(sim, pre_slo, dec_slo)
         if (weak_pre <= weak_dec and p < max_replicas) or d >= max_replicas:
             p += 1
         else:
@@ -186,4 +214,4 @@ def recommend(
         sim = run(p, d)
     feasible = sim.goodput_ratio(slo) >= g
     notes = [] if feasible else [f"goodput target {g} not reached with {max_replicas} replicas per pool"]
-    return Plan(p, d, sim.summary(slo), feasible, prefill, decode, notes)
+    return Plan(p, d, sim.summary(slo), feasible, prefill, decode, notes, transfer_s, local_prefill)

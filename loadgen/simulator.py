@@ -9,7 +9,15 @@ Model (the same one planner.py fits):
   the fewest sequences `transfer_s` after its prefill ends; every step takes
   c + d * batch_size and gives each running sequence one token; at most `max_batch`
   run at once, the rest wait. TPOT = (E2EL - TTFT) / (output_tokens - 1).
-Not modelled: prefix-cache hits, chunked prefill, preemption, network jitter.
+- Prefill on decode (`LocalPrefill`, the router's `disaggregation: auto` or `never`):
+  a prompt the rule keeps local skips the prefill pool and joins a decode replica at
+  arrival. The decode engine computes it chunked, beside the running batch: each step
+  spends at most `token_budget` tokens, one per decoding sequence first, the rest on
+  waiting prompts in arrival order, and a prompt token costs what it costs the prefill
+  pool (the prefill model's b; its a, the per-call overhead, is not paid). The first
+  token leaves with the step that finishes the prompt.
+Not modelled: prefix-cache hits, chunked prefill of remote prompts, preemption,
+network jitter.
 
 PrefillModel and DecodeModel are loadgen's one capacity model: the planner fits them,
 and the autoscaling simulator (autoscale_sim.py) builds them from a capacity profile
@@ -71,6 +79,24 @@ class DecodeModel:
 
 
 @dataclass(frozen=True)
+class LocalPrefill:
+    """Which prompts are prefilled on the decode replica that decodes them, and the
+    decode engine's per-step token budget (`engine.max_num_batched_tokens`).
+    `router.disaggregation` `auto` is `max_prompt_tokens` = its `max_local_prompt_tokens`;
+    `never` is every prompt (math.inf)."""
+
+    max_prompt_tokens: float
+    token_budget: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_tokens < 1 or self.token_budget < 1:
+            raise ValueError("max_prompt_tokens and token_budget must be >= 1")
+
+    def is_local(self, prompt_tokens: np.ndarray) -> np.ndarray:
+        return np.asarray(prompt_tokens) <= self.max_prompt_tokens
+
+
+@dataclass(frozen=True)
 class Traffic:
     """Target load: open-loop arrivals at `rate` req/s with a length mix."""
 
@@ -89,10 +115,11 @@ class SimResult:
     tpot: np.ndarray
     e2el: np.ndarray
     output_tokens: np.ndarray
+    local: np.ndarray | None = None  # per request: prefilled on decode (LocalPrefill)
 
     @property
     def duration_s(self) -> float:
-        return float(np.max(self.arrival + self.e2el) - np.min(self.arrival))
+        return float(np.nanmax(self.arrival + self.e2el) - np.min(self.arrival))
 
     def good(self, slo: SLO) -> np.ndarray:
         ok = np.ones(len(self.ttft), bool)
@@ -104,18 +131,24 @@ class SimResult:
             ok &= self.e2el <= slo.e2el_ms / 1000
         return ok
 
-    def goodput_ratio(self, slo: SLO) -> float:
-        return float(self.good(slo).mean())
+    def goodput_ratio(self, slo: SLO, among: np.ndarray | None = None) -> float:
+        """The share of requests meeting `slo`; of those `among` selects, if given
+        (1.0 when it selects none)."""
+        good = self.good(slo) if among is None else self.good(slo)[among]
+        return float(good.mean()) if len(good) else 1.0
 
     def summary(self, slo: SLO | None = None) -> dict[str, float]:
         out: dict[str, float] = {}
-        for name, v in (("ttft", self.ttft), ("tpot", self.tpot[~np.isnan(self.tpot)]), ("e2el", self.e2el)):
+        for name, v in (("ttft", self.ttft), ("tpot", self.tpot), ("e2el", self.e2el)):
+            v = v[~np.isnan(v)]
             for p in (50, 90, 99):
                 out[f"{name}_p{p}_ms"] = float(np.percentile(v, p) * 1000) if len(v) else math.nan
             out[f"{name}_mean_ms"] = float(v.mean() * 1000) if len(v) else math.nan
         if slo is not None and not slo.empty:
             out["goodput_ratio"] = self.goodput_ratio(slo)
             out["goodput_rps"] = float(self.good(slo).sum() / self.duration_s)
+        if self.local is not None:
+            out["local_prefill_fraction"] = float(self.local.mean())
         return out
 
 
@@ -130,12 +163,20 @@ def _simulate_prefill(arrival: np.ndarray, service: np.ndarray, n_replicas: int)
     return done
 
 
-def _simulate_decode(join: np.ndarray, tokens_left: np.ndarray, model: DecodeModel, n_replicas: int) -> np.ndarray:
-    """Finish times of requests that join decode at `join` needing `tokens_left` steps."""
-    finish = join.copy()  # requests with nothing left finish when they join
-    order = [int(i) for i in np.argsort(join, kind="stable") if tokens_left[i] > 0]
-    running: list[dict[int, int]] = [{} for _ in range(n_replicas)]
+def _simulate_decode(join: np.ndarray, tokens_left: np.ndarray, model: DecodeModel, n_replicas: int,
+                     prompt: np.ndarray | None = None, local: LocalPrefill | None = None,
+                     prefill_s_per_token: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """(first token, finish) times of requests that join decode at `join` needing
+    `tokens_left` steps after their first token. A request with `prompt` tokens > 0
+    is prefilled here first (`local`'s token budget, `prefill_s_per_token` each); the
+    others came with their first token (their first time is left at `join`)."""
+    first, finish = join.copy(), join.copy()  # requests with nothing left finish when they join
+    prompt_left = np.zeros(len(join), int) if prompt is None else prompt.astype(int)
+    budget = local.token_budget if local is not None else 0
+    order = [int(i) for i in np.argsort(join, kind="stable") if tokens_left[i] > 0 or prompt_left[i] > 0]
+    running: list[dict[int, int]] = [{} for _ in range(n_replicas)]  # request -> decode steps left
     waiting: list[deque[int]] = [deque() for _ in range(n_replicas)]
+    chunks: list[dict[int, int]] = [{} for _ in range(n_replicas)]  # this step's prompt tokens per request
     busy = [False] * n_replicas
     events: list[tuple[float, int, int]] = []  # (time, kind 0=step end 1=join, replica or request)
     for i in order:
@@ -145,11 +186,19 @@ def _simulate_decode(join: np.ndarray, tokens_left: np.ndarray, model: DecodeMod
         while waiting[r] and len(running[r]) < model.max_batch:
             j = waiting[r].popleft()
             running[r][j] = int(tokens_left[j])
-        if running[r]:
-            busy[r] = True
-            heapq.heappush(events, (t + model.step_s(len(running[r])), 0, r))
-        else:
+        if not running[r]:
             busy[r] = False
+            return
+        decoding = sum(1 for j in running[r] if prompt_left[j] == 0)
+        left = max(budget - decoding, 0) if decoding else budget
+        chunks[r] = {}
+        for j in running[r]:  # insertion order: arrival order
+            if prompt_left[j] > 0 and left > 0:
+                chunks[r][j] = take = min(int(prompt_left[j]), left)
+                left -= take
+        busy[r] = True
+        step = model.step_s(decoding) + prefill_s_per_token * sum(chunks[r].values())
+        heapq.heappush(events, (t + step, 0, r))
 
     while events:
         t, kind, x = heapq.heappop(events)
@@ -158,15 +207,23 @@ def _simulate_decode(join: np.ndarray, tokens_left: np.ndarray, model: DecodeMod
             waiting[r].append(x)
             if not busy[r]:
                 start_step(r, t)
-        else:
-            batch = running[x]
-            for j in list(batch):
+            continue
+        batch = running[x]
+        for j in list(batch):
+            if prompt_left[j] == 0:  # decoded one token this step
                 batch[j] -= 1
-                if batch[j] == 0:
-                    finish[j] = t
-                    del batch[j]
-            start_step(x, t)
-    return finish
+            elif j in chunks[x]:
+                prompt_left[j] -= chunks[x][j]
+                if prompt_left[j] > 0:
+                    continue
+                first[j] = t  # the prompt's last chunk samples the first token
+            else:
+                continue
+            if batch[j] == 0:
+                finish[j] = t
+                del batch[j]
+        start_step(x, t)
+    return first, finish
 
 
 def simulate(
@@ -178,23 +235,35 @@ def simulate(
     num_requests: int = 1000,
     seed: int = 0,
     transfer_s: float = 0.0,
+    local_prefill: LocalPrefill | None = None,
 ) -> SimResult:
-    """Simulate `num_requests` requests; `decode=None` simulates prefill only (TPOT 0)."""
+    """Simulate `num_requests` requests; `decode=None` simulates prefill only (TPOT 0;
+    with `local_prefill`, the prompts it keeps local get no times: NaN).
+
+    `local_prefill` None is `router.disaggregation: always`: every prompt is prefilled
+    by the prefill pool, and its KV reaches decode `transfer_s` later."""
     if n_prefill < 1 or (decode is not None and n_decode < 1):
         raise ValueError("replica counts must be >= 1")
     rng = np.random.default_rng(seed)
     arrival = np.cumsum(inter_arrival_gaps(traffic.rate, num_requests, traffic.burstiness, seed))
     n_in = traffic.input_len.sample(rng, num_requests).astype(float)
     n_out = traffic.output_len.sample(rng, num_requests)
-    first = _simulate_prefill(arrival, np.asarray(prefill.service_s(n_in), float), n_prefill)
-    ttft = first - arrival
+    local = np.zeros(num_requests, bool) if local_prefill is None else local_prefill.is_local(n_in)
+    remote = ~local
+    first = np.full(num_requests, np.nan)
+    first[remote] = _simulate_prefill(arrival[remote], np.asarray(prefill.service_s(n_in[remote]), float), n_prefill)
     if decode is None:
         end = first
     else:
-        end = _simulate_decode(first + transfer_s, n_out - 1, decode, n_decode)
+        join = np.where(local, arrival, first + transfer_s)
+        prompt = np.where(local, n_in, 0)
+        local_first, end = _simulate_decode(join, n_out - 1, decode, n_decode, prompt, local_prefill,
+                                            prefill.b_s_per_token)
+        first = np.where(local, local_first, first)
+    ttft = first - arrival
     e2el = end - arrival
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(n_out > 1, (e2el - ttft) / (n_out - 1), np.nan)
     if decode is None:
-        tpot = np.where(n_out > 1, 0.0, np.nan)
-    return SimResult(arrival, ttft, tpot, e2el, n_out)
+        tpot = np.where(n_out > 1, np.where(remote, 0.0, np.nan), np.nan)
+    return SimResult(arrival, ttft, tpot, e2el, n_out, None if local_prefill is None else local)

@@ -63,7 +63,8 @@ def validate(plan: Plan, target: PlanTarget, setup: ValidationSetup, tokenizer: 
     tr = target.traffic
     scaled = type(tr)(rate, tr.input_len, tr.output_len, tr.burstiness)
     predicted = simulate(plan.prefill_model, plan.decode_model, setup.prefill_replicas, setup.decode_replicas,
-                         scaled, max(setup.num_prompts, 1000), setup.seed).summary(target.slo)
+                         scaled, max(setup.num_prompts, 1000), setup.seed, plan.transfer_s,
+                         plan.local_prefill).summary(target.slo)
     workload = WorkloadSpec("random", setup.num_prompts, tr.input_len, tr.output_len, setup.seed, ignore_eos=True)
     cfg = BenchConfig(setup.base_url, setup.model, setup.endpoint, workload,
                       [ArrivalProcess(rate=rate, burstiness=tr.burstiness, seed=setup.seed)],

@@ -27,6 +27,26 @@ def test_plan_main_on_saved_sweeps(tmp_path, capsys):
     assert "recommendation for 2 req/s" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("mode", ["auto", "never"])
+def test_plan_main_models_prefill_on_decode(tmp_path, capsys, mode):
+    from test_loadgen_planner import decode_sweep, prefill_sweep
+
+    (tmp_path / "pre.json").write_text(json.dumps(prefill_sweep()))
+    (tmp_path / "dec.json").write_text(json.dumps(decode_sweep()))
+    out = tmp_path / "plan.json"
+    rc = plan_main(["--prefill-sweep", str(tmp_path / "pre.json"), "--decode-sweep", str(tmp_path / "dec.json"),
+                    "--rate", "2", "--input-len", "uniform:200:1800", "--output-len", "21",
+                    "--goodput", "ttft:3000", "tpot:200", "--num-requests", "300", "--out", str(out),
+                    "--disaggregation", mode, "--max-local-prompt-tokens", "1000", "--max-num-batched-tokens", "256"])
+    assert rc in (0, 1)
+    result = json.loads(out.read_text())
+    assert result["target"]["disaggregation"] == mode
+    assert result["plan"]["local_prefill"]["token_budget"] == 256
+    share = result["plan"]["predicted"]["local_prefill_fraction"]
+    assert share == 1.0 if mode == "never" else 0.3 < share < 0.7  # uniform 200-1800, local <= 1000
+    assert f"disaggregation: {mode}" in capsys.readouterr().out
+
+
 def test_bad_arguments_exit_2():
     with pytest.raises(SystemExit) as e:
         bench_serve_main(["--input-len", "zipf:1:2"])

@@ -6,7 +6,7 @@ import pytest
 from loadgen.distributions import parse_length
 from loadgen.metrics import SLO
 from loadgen.planner import PlanTarget, fit_decode, fit_prefill, recommend
-from loadgen.simulator import DecodeModel, PrefillModel, Traffic, simulate
+from loadgen.simulator import DecodeModel, LocalPrefill, PrefillModel, Traffic, simulate
 
 pytestmark = pytest.mark.unit
 
@@ -102,3 +102,75 @@ def test_simulator_is_seeded():
     a = simulate(PREFILL, DECODE, 2, 2, traffic, 300, seed=9)
     b = simulate(PREFILL, DECODE, 2, 2, traffic, 300, seed=9)
     assert np.array_equal(a.e2el, b.e2el) and np.isnan(a.tpot[a.output_tokens == 1]).all()
+
+
+# -- prefill on decode (router.disaggregation: auto / never) ---------------------------
+
+def _alone(prompt: int, output: int, local: LocalPrefill | None):
+    """One request on an idle cluster (the next arrives ~1000 s later)."""
+    return simulate(PREFILL, DECODE, 1, 1, Traffic(0.001, parse_length(str(prompt)), parse_length(str(output))),
+                    2, seed=1, transfer_s=0.005, local_prefill=local)
+
+
+def test_a_local_prompt_is_computed_in_decode_steps_chunked_by_the_token_budget():
+    c, d, b = DECODE.c_s, DECODE.d_s_per_seq, PREFILL.b_s_per_token
+    one = _alone(100, 5, LocalPrefill(256, token_budget=512))
+    # one step of 100 prompt tokens (no prefill call overhead a, no transfer), then 4 decode steps of batch 1
+    assert one.local.all()
+    assert one.ttft[0] == pytest.approx(c + b * 100)
+    assert one.e2el[0] == pytest.approx(c + b * 100 + 4 * (c + d))
+    # 1000 tokens in 512-token chunks: two steps
+    chunked = _alone(1000, 1, LocalPrefill(2000, token_budget=512))
+    assert chunked.ttft[0] == pytest.approx(2 * c + b * 1000) and chunked.e2el[0] == chunked.ttft[0]
+
+
+def test_a_prompt_over_the_limit_goes_through_the_prefill_pool():
+    remote = _alone(300, 5, LocalPrefill(256))
+    always = _alone(300, 5, None)
+    assert not remote.local.any() and always.local is None
+    assert remote.ttft[0] == always.ttft[0] == pytest.approx(PREFILL.service_s(300))
+    assert remote.e2el[0] == always.e2el[0] == pytest.approx(PREFILL.service_s(300) + 0.005 + 4 * DECODE.step_s(1))
+
+
+@pytest.mark.parametrize("budget", [9, 8])
+def test_a_step_gives_its_token_budget_to_decoding_sequences_first(budget):
+    # A (8-token prompt) is computed alone in step 1; B arrives during it. In step 2 A
+    # decodes (1 token of the budget) and B gets the rest: all 8 of its tokens with a
+    # budget of 9, 7 with 8 (the 8th in step 3, beside A's last token).
+    c, d, b = DECODE.c_s, DECODE.d_s_per_seq, PREFILL.b_s_per_token
+    sim = simulate(PREFILL, DECODE, 1, 1, Traffic(2000.0, parse_length("8"), parse_length("3")), 2, seed=0,
+                   local_prefill=LocalPrefill(64, token_budget=budget))
+    t_a, t_b = sim.arrival
+    step1_end = t_a + c + 8 * b
+    assert t_b < step1_end  # B waits for step 2
+    assert sim.ttft[0] == pytest.approx(c + 8 * b)
+    expected_b = step1_end + (c + d + 8 * b if budget == 9 else 2 * (c + d) + 8 * b)
+    assert sim.ttft[1] == pytest.approx(expected_b - t_b)
+    # A's two decode steps: step 2 carried B's prompt; step 3 B's first decode (budget 9)
+    # or the rest of its prompt (budget 8)
+    a_steps = [c + d + 8 * b, c + 2 * d] if budget == 9 else [c + d + 7 * b, c + d + b]
+    assert sim.e2el[0] == pytest.approx(c + 8 * b + sum(a_steps))
+
+
+def test_auto_moves_short_prompts_off_the_prefill_pool_in_the_plan():
+    # Half the prompts are short: under auto they no longer need the prefill pool, so
+    # it shrinks, and the plan reports the share prefilled on decode.
+    traffic = Traffic(4.0, parse_length("uniform:50:1950"), parse_length("20"))
+    target = PlanTarget(traffic, SLO(ttft_ms=3000, tpot_ms=100), goodput_target=0.9)
+    pre = PrefillModel(0.0, 0.001)
+    always = recommend(pre, DECODE, target, num_requests=600, seed=0)
+    auto = recommend(pre, DECODE, target, num_requests=600, seed=0, local_prefill=LocalPrefill(1000, 512))
+    assert always.feasible and auto.feasible
+    assert auto.prefill_replicas < always.prefill_replicas
+    assert 0.3 < auto.predicted["local_prefill_fraction"] < 0.7
+    assert "local_prefill_fraction" not in always.predicted
+    assert auto.to_dict()["local_prefill"] == {"max_prompt_tokens": 1000, "token_budget": 512}
+
+
+def test_never_leaves_the_prefill_pool_idle():
+    traffic = Traffic(2.0, parse_length("uniform:100:400"), parse_length("10"))
+    sim = simulate(PREFILL, DECODE, 1, 1, traffic, 200, seed=4, local_prefill=LocalPrefill(float("inf")))
+    assert sim.local.all() and np.isfinite(sim.ttft).all()
+    # prefill-only: the local prompts have no prefill-pool times
+    alone = simulate(PREFILL, None, 1, 0, traffic, 200, seed=4, local_prefill=LocalPrefill(float("inf")))
+    assert np.isnan(alone.ttft).all() and alone.goodput_ratio(SLO(ttft_ms=1), among=~alone.local) == 1.0
