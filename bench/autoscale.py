@@ -44,6 +44,7 @@ import httpx
 
 from autoscaling.config import BudgetConfig, CapacityProfile, PoolAutoscaling, SLOConfig
 from loadgen.autoscale_sim import ClusterSim, SimPolicy, SimRun
+from loadgen.cli import add_disaggregation_args, local_prefill
 from loadgen.distributions import parse_length
 
 DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "deploy" / "profiles" / "smollm2-135m-cpu.json"
@@ -79,6 +80,7 @@ def sim_parser() -> argparse.ArgumentParser:
                    help="Serve's target_ongoing_requests values to compare (2 is Serve's default)")
     p.add_argument("--budget-cpus", type=float, default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    add_disaggregation_args(p)
     p.add_argument("--out", default="docs/bench/autoscale", help="directory for the JSON and PNGs")
     return p
 
@@ -122,6 +124,7 @@ def run_simulated(args: argparse.Namespace) -> dict:
     out: dict = {"machine": platform.processor() or platform.machine(), "profile": profile.model_dump(),
                  "slo": slo.model_dump(), "settings": common, "cold_start_s": args.cold_start_s,
                  "quiet_rate": args.rate, "input_len": args.input_len, "output_len": args.output_len,
+                 "disaggregation": args.disaggregation,
                  "seeds": args.seeds, "traces": {}}
     for name, (rate, duration, burst) in traces(args.rate).items():
         rows, timelines = [], {}
@@ -132,7 +135,7 @@ def run_simulated(args: argparse.Namespace) -> dict:
             for seed in args.seeds:
                 sim = ClusterSim(profile, slo, pools, {"prefill": 1, "decode": 1}, parse_length(args.input_len),
                                  parse_length(args.output_len), cold_start_s=args.cold_start_s, budget=budget,
-                                 seed=seed)
+                                 seed=seed, local_prefill=local_prefill(args))
                 runs.append(sim.run(pol, rate, duration))
             rows.append(_median_row([r.summary(slo, burst) for r in runs]))
             if pol.name in PLOTTED:  # the first seed's, for the plots

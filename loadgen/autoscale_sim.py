@@ -6,7 +6,11 @@ at a time in a + b x tokens; a decode replica steps its batch in c + d x batch,
 every running sequence gaining one token a step. Time moves in
 `dt` steps; requests arrive as a Poisson process whose rate follows the trace.
 Replicas take `cold_start_s` to come up (they cost from the moment they are asked
-for) and a removed replica drains: it takes no new work and goes when empty.
+for) and a removed replica drains: it takes no new work and goes when empty. With
+`local_prefill` (the router's `disaggregation: auto` or `never`) a prompt it keeps
+local goes straight to a decode replica, which computes it chunked within its token
+budget beside the batch (as loadgen/simulator.py models it); its replica's report
+counts it among running and waiting requests, as a real decode replica's does.
 
 Each pool's replicas report what real replicas report, through the same classes
 (autoscaling/signals.py, on the simulation's clock), and the policies are:
@@ -29,7 +33,7 @@ from autoscaling.config import BudgetConfig, CapacityProfile, PoolAutoscaling, S
 from autoscaling.policy import GoodputPolicy, PoolPolicy, PoolState
 from autoscaling.signals import DecodeSignals, GatewaySignals, LoadSnapshot, PrefillSignals, ReplicaReport
 from loadgen.distributions import LengthDist
-from loadgen.simulator import DecodeModel, PrefillModel
+from loadgen.simulator import DecodeModel, LocalPrefill, PrefillModel
 
 
 @dataclass
@@ -41,6 +45,7 @@ class Request:
     first_token: float | None = None
     done: float | None = None
     left: float = 0.0  # decode tokens still to make (fractional while stepping)
+    prompt_left: float = 0.0  # prompt tokens a decode replica still has to prefill (local prefill)
 
 
 @dataclass
@@ -121,7 +126,8 @@ class ClusterSim:
     def __init__(self, profile: CapacityProfile, slo: SLOConfig, pools: dict[str, PoolAutoscaling],
                  initial: dict[str, int], input_len: LengthDist, output_len: LengthDist,
                  cold_start_s: float = 20.0, dt: float = 0.05, interval_s: float = 1.0,
-                 budget: BudgetConfig | None = None, seed: int = 0) -> None:
+                 budget: BudgetConfig | None = None, seed: int = 0,
+                 local_prefill: LocalPrefill | None = None) -> None:
         assert profile.prefill_model is not None and profile.decode_model is not None
         self.prefill = PrefillModel.from_profile(profile.prefill_model)
         self.decode = DecodeModel.from_profile(profile.decode_model)
@@ -129,6 +135,7 @@ class ClusterSim:
         self.input_len, self.output_len = input_len, output_len
         self.cold_start_s, self.dt, self.interval_s = cold_start_s, dt, interval_s
         self.budget, self.seed = budget, seed
+        self.local_prefill = local_prefill
 
     def run(self, policy: SimPolicy, rate: Callable[[float], float], duration_s: float) -> SimRun:
         rng = np.random.default_rng(self.seed)
@@ -158,7 +165,11 @@ class ClusterSim:
                             int(self.output_len.sample(rng, 1)[0]))
                 requests.append(r)
                 self.gateway.arrived(r.prompt)
-                self._route_prefill(r)
+                if self.local_prefill is not None and self.local_prefill.is_local(r.prompt):
+                    r.prompt_left = r.prompt
+                    self._route_decode(r)
+                else:
+                    self._route_prefill(r)
             self._step_prefill()
             self._step_decode()
             for pool, reps in self.replicas.items():
@@ -230,7 +241,7 @@ class ClusterSim:
 
     # ------------------------------------------------------------ decode
     def _route_decode(self, req: Request) -> None:
-        if req.left <= 0:
+        if req.left <= 0 and req.prompt_left <= 0:
             self._finish(req, req.first_token)
             return
         ready = self._ready("decode")
@@ -244,16 +255,40 @@ class ClusterSim:
                 rep.running.append(rep.queue.popleft())
             if not rep.running:
                 continue
-            per_token = self.dt / self.decode.step_s(len(rep.running))
+            decoding = [r for r in rep.running if r.prompt_left <= 0]
+            chunks = self._chunks([r for r in rep.running if r.prompt_left > 0], len(decoding))
+            steps = self.dt / (self.decode.step_s(len(decoding)) + self.prefill.b_s_per_token * sum(chunks.values()))
             still = []
             for req in rep.running:
-                req.left -= per_token
+                if req.prompt_left > 0:
+                    req.prompt_left -= chunks.get(id(req), 0) * steps
+                    if req.prompt_left > 0:
+                        still.append(req)
+                        continue
+                    req.first_token = self.now + self.dt  # the prompt's last chunk samples it
+                    req.left = max(0, req.output - 1)
+                else:
+                    req.left -= steps
                 if req.left <= 0:
                     self._finish(req, self.now + self.dt)
                     rep.signals.request(req.first_token, req.done, req.output)
                 else:
                     still.append(req)
             rep.running = still
+
+    def _chunks(self, prefilling: list[Request], decoding: int) -> dict[int, int]:
+        """Prompt tokens per step for each local prefill (by id): the token budget
+        less one per decoding sequence, in arrival order."""
+        if not prefilling:
+            return {}
+        assert self.local_prefill is not None
+        budget = self.local_prefill.token_budget
+        left = max(budget - decoding, 0) if decoding else budget
+        chunks = {}
+        for r in prefilling:
+            chunks[id(r)] = take = min(math.ceil(r.prompt_left), left)
+            left -= take
+        return chunks
 
     def _finish(self, req: Request, at: float) -> None:
         req.done = at

@@ -114,12 +114,7 @@ def plan_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=int, default=2000, help="simulated requests")
     ap.add_argument("--max-replicas", type=int, default=64)
     ap.add_argument("--transfer-ms", type=float, default=0.0, help="KV handoff time added before decode")
-    ap.add_argument("--disaggregation", choices=("always", "never", "auto"), default="always",
-                    help="the cluster's router.disaggregation mode: where prompts are prefilled")
-    ap.add_argument("--max-local-prompt-tokens", type=int, default=256,
-                    help="auto: prompts this long or shorter are prefilled on decode")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512,
-                    help="the decode engine's token budget per step (engine.max_num_batched_tokens)")
+    add_disaggregation_args(ap)
     ap.add_argument("--out", default=None, help="write plan.json here")
     ap.add_argument("--validate", action="store_true", help="run a scaled-down version against --base-url")
     ap.add_argument("--validate-num-prompts", type=int, default=50)
@@ -130,6 +125,17 @@ def plan_parser() -> argparse.ArgumentParser:
                                                          "summary.md and plots")
     _add_server_args(ap)
     return ap
+
+
+def add_disaggregation_args(ap: argparse.ArgumentParser) -> None:
+    """Where the simulated cluster prefills each prompt; the defaults are duet's own
+    (`router.disaggregation`, `engine.max_num_batched_tokens`)."""
+    ap.add_argument("--disaggregation", choices=("always", "never", "auto"), default="always",
+                    help="the cluster's router.disaggregation mode: where prompts are prefilled")
+    ap.add_argument("--max-local-prompt-tokens", type=int, default=256,
+                    help="auto: prompts this long or shorter are prefilled on decode")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512,
+                    help="the decode engine's token budget per step (engine.max_num_batched_tokens)")
 
 
 def local_prefill(args: argparse.Namespace) -> LocalPrefill | None:
@@ -156,8 +162,10 @@ def plan_main(argv: list[str]) -> int:
     print(f"decode model:  step = {decode.c_s * 1e3:.2f} ms + {decode.d_s_per_seq * 1e3:.3f} ms x batch "
           f"(max batch {decode.max_batch})")
     if plan.local_prefill is not None:
-        print(f"disaggregation: {args.disaggregation} (prompts of <= {plan.local_prefill.max_prompt_tokens:g} tokens "
-              f"prefilled on decode, {plan.local_prefill.token_budget} tokens per decode step)")
+        which = "every prompt" if args.disaggregation == "never" else \
+            f"prompts of <= {plan.local_prefill.max_prompt_tokens:g} tokens"
+        print(f"disaggregation: {args.disaggregation} ({which} prefilled on decode, "
+              f"{plan.local_prefill.token_budget} tokens per decode step)")
     print(f"recommendation for {args.rate:g} req/s, goodput target {args.goodput_target:.0%}: "
           f"{plan.prefill_replicas} prefill + {plan.decode_replicas} decode replicas"
           + ("" if plan.feasible else " (INFEASIBLE: " + "; ".join(plan.notes) + ")"))

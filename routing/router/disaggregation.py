@@ -17,8 +17,10 @@ The rule (`router.disaggregation`):
 - `auto`: prefill locally when the prompt has at most `max_local_prompt_tokens` tokens.
   The decode engine runs such a prompt chunked, within its per-step token budget
   (`engine.max_num_batched_tokens`), so a local prefill never takes a whole step from
-  the running batch. The local prefill shows in the decode replica's own load
-  (queued prefill tokens, running requests), which the autoscaling signals read.
+  the running batch. The decode replica's autoscaling report counts a local prefill
+  as a running or waiting request, and its chunks in the TPOT they cause; it has no
+  term for the prompt tokens waiting (simulated, the goodput policy then swings the
+  decode pool: docs/autoscaling.md).
 
 What `auto` does not price yet: the decode replica's own prefix match, the decode
 pool's batch and TPOT headroom, and the prefill pool's queue.

@@ -10,7 +10,7 @@ from autoscaling.config import CapacityProfile, DecodeProfile, PoolAutoscaling, 
 from loadgen.autoscale_sim import ClusterSim, SimPolicy
 from loadgen.distributions import parse_length
 from loadgen.planner import Plan
-from loadgen.simulator import DecodeModel, PrefillModel
+from loadgen.simulator import DecodeModel, LocalPrefill, PrefillModel
 
 pytestmark = pytest.mark.unit
 
@@ -20,11 +20,12 @@ PROFILE = CapacityProfile(prefill_model=PrefillProfile(a_ms=0, b_ms_per_token=2.
 SLO = SLOConfig(ttft_ms=3000, tpot_ms=100)
 
 
-def sim(**pool) -> ClusterSim:
+def sim(local_prefill: LocalPrefill | None = None, **pool) -> ClusterSim:
     s = PoolAutoscaling(**{"min_replicas": 1, "max_replicas": 6, "max_step": 2, "upscale_delay_s": 2,
                            "downscale_delay_s": 10, "warmup_s": 2, **pool})
     return ClusterSim(PROFILE, SLO, {"prefill": s, "decode": s}, {"prefill": 1, "decode": 1},
-                      parse_length("fixed:500"), parse_length("fixed:20"), cold_start_s=5.0, seed=0)
+                      parse_length("fixed:500"), parse_length("fixed:20"), cold_start_s=5.0, seed=0,
+                      local_prefill=local_prefill)
 
 
 def step(t: float) -> float:
@@ -69,3 +70,17 @@ def test_a_run_is_reproducible():
     a = sim().run(SimPolicy("goodput", "goodput"), step, 120).summary(SLO)
     b = sim().run(SimPolicy("goodput", "goodput"), step, 120).summary(SLO)
     assert a == b
+
+
+def test_prompts_kept_local_are_prefilled_on_decode_and_never_reach_the_prefill_pool():
+    s = sim(LocalPrefill(float("inf")))
+    run = s.run(SimPolicy("goodput", "goodput"), lambda t: 0.3, 60)
+    served = [r for r in run.requests if r.done is not None]
+    assert len(served) > 10 and all(r.prefill_start is None for r in served)  # no prefill replica saw one
+    assert max(r["prefill_replicas"] for r in run.timeline) == 1
+    # alone on its replica a 500-token prompt is one 20 ms + 500 x 2 ms step (within a tick of dt)
+    alone = min(r.first_token - r.arrival for r in served)
+    assert s.decode.step_s(0) + 1.0 <= alone + 1e-9 <= s.decode.step_s(0) + 1.0 + 2 * s.dt
+    # over the limit: the prefill pool as before
+    remote = sim(LocalPrefill(499)).run(SimPolicy("fixed", "fixed"), lambda t: 0.3, 60)
+    assert all(r.prefill_start is not None for r in remote.requests if r.done is not None)
