@@ -6,8 +6,10 @@ Prefill is sized from prompt-token arrivals plus its backlog against a replica's
 prefill speed (the capacity profile, refined by what warm replicas measure), and
 raised when the TTFT tail (queue wait included) misses the SLO. Decode is sized
 from KV blocks in use and from the largest batch whose step stays within the TPOT
-SLO, and raised when the TPOT tail misses it. Then the guards, in order: min/max,
-the stabilization windows, `max_step`, and the shared budget.
+SLO, and raised when the TPOT tail misses it; prompts prefilled on decode (the
+router's `disaggregation: auto` or `never`) add their share of a replica's time, at
+the profile's prefill speed. Then the guards, in order: min/max, the stabilization
+windows, `max_step`, and the shared budget.
 """
 
 from __future__ import annotations
@@ -210,25 +212,44 @@ class GoodputPolicy:
         used = sum(r.get(sig.KV_BLOCKS_USED) or 0 for r in st.replicas)
         per_replica = max((r.get(sig.KV_BLOCKS_TOTAL) or 0 for r in st.replicas), default=0)
         by_kv = used / (per_replica * u) if per_replica else 0.0
+        # Prompts prefilled here take that share of the replicas' time from decoding
+        # (what spreading them over more replicas buys back).
+        local = sum(r.get(sig.LOCAL_PROMPT_TOKENS_PER_S) or 0.0 for r in st.replicas)
+        speed = self._local_prefill_speed(pool)
+        by_prefill = local / (speed * u) if local > 0 and speed else 0.0
         # A smaller batch steps faster; a batch of one cannot be split.
-        fixable = seqs >= 2 * max(1, len(st.replicas))
+        fixable = seqs >= 2 * max(1, len(st.replicas)) or by_prefill > 0
+        prefill = f" + {local:.0f} prompt tok/s prefilled here ({by_prefill:.2f})" if by_prefill else ""
         model = pool.profile.decode_model
         if model is None:
-            return _Need(by_kv, "kv",
-                         f"{used:.0f} KV blocks used of {per_replica:.0f} per replica: {by_kv:.2f} replicas",
-                         fixable)
-        scale = self._refine_step_scale(name, model, warm)
+            need = by_kv + by_prefill
+            return _Need(need, "kv", f"{used:.0f} KV blocks used of {per_replica:.0f} per replica{prefill}: "
+                                     f"{need:.2f} replicas", fixable)
+        scale = self._refine_step_scale(name, model, warm, speed)
         batch = model.max_batch_within(self.slo.tpot_ms * u / scale)
         by_batch = seqs / batch
+        need = max(by_kv, by_batch) + by_prefill
         detail = (f"{seqs:.0f} sequences, {batch} per replica within TPOT; {used:.0f} KV blocks of "
-                  f"{per_replica:.0f}: {max(by_kv, by_batch):.2f} replicas")
-        return _Need(max(by_kv, by_batch), "kv" if by_kv > by_batch else "batch", detail, fixable)
+                  f"{per_replica:.0f}{prefill}: {need:.2f} replicas")
+        return _Need(need, "kv" if by_kv > by_batch else "batch", detail, fixable)
 
-    def _refine_step_scale(self, name, model, warm) -> float:
+    @staticmethod
+    def _local_prefill_speed(pool: PoolPolicy) -> float | None:
+        """Prompt tokens per second a decode replica computes in its own steps: the
+        profile's prefill per-token cost (a step carries no per-call overhead)."""
+        model = pool.profile.prefill_model
+        return 1e3 / model.b_ms_per_token if model is not None and model.b_ms_per_token > 0 else None
+
+    def _refine_step_scale(self, name, model, warm, local_speed: float | None = None) -> float:
         """How much slower (>1) or faster the warm replicas step than the profile says:
-        each one's mean TPOT against the model at the mean batch it was measured at."""
+        each one's mean TPOT against the model at the mean batch it was measured at,
+        less the share of its time it spent prefilling prompts of its own."""
+        def busy_decoding(r: ReplicaReport) -> float:
+            local = r.get(sig.LOCAL_PROMPT_TOKENS_PER_S) or 0.0
+            return 1.0 - min(0.9, local / local_speed) if local > 0 and local_speed else 1.0
+
         ratios = sorted(
-            t / (model.c_ms + model.d_ms_per_seq * max(1.0, b))
+            t * busy_decoding(r) / (model.c_ms + model.d_ms_per_seq * max(1.0, b))
             for r in warm if (t := r.get(sig.MEAN_TPOT_MS)) and (b := r.get(sig.MEAN_BATCH)) is not None
         )
         scale = self._step_scale.get(name, 1.0)

@@ -31,6 +31,7 @@ WAITING_IMPORTS = "waiting_imports"  # KV imports under way (requests about to j
 REPLICA_TPOT_MS = "replica_tpot_ms"  # per output token, at the SLO quantile
 MEAN_TPOT_MS = "mean_tpot_ms"  # per output token, the mean (what a step-time model predicts)
 MEAN_BATCH = "mean_batch"  # sequences decoding at once, on average over the window (what that TPOT was measured at)
+LOCAL_PROMPT_TOKENS_PER_S = "local_prompt_tokens_per_s"  # prompt tokens computed here per second (prefill on decode)
 # Gateway.
 ARRIVAL_PROMPT_TOKENS_PER_S = "arrival_prompt_tokens_per_s"
 ARRIVALS_PER_S = "arrivals_per_s"
@@ -208,12 +209,18 @@ class DecodeSignals:
         self.clock = clock
         self.tpot = Window(span_s, clock)
         self.decoding = Window(span_s, clock)  # seconds each finished request spent decoding
+        self.prefilled = Window(min(span_s, RATE_WINDOW_S), clock)  # prompt tokens computed here
         self.started = clock()
 
     def request(self, first_scheduled: float | None, finished: float, output_tokens: int) -> None:
         if first_scheduled is not None and output_tokens > 1:
             self.tpot.add((finished - first_scheduled) / (output_tokens - 1), finished)
             self.decoding.add(finished - first_scheduled, finished)
+
+    def prefilled_here(self, computed_prompt_tokens: int, at: float) -> None:
+        """A prompt this replica prefilled itself (the router's `disaggregation` kept it
+        local): its uncached tokens, computed in this replica's steps beside the batch."""
+        self.prefilled.add(computed_prompt_tokens, at)
 
     def mean_batch(self) -> float | None:
         """Little's law over the window: sequence-seconds of decoding per second."""
@@ -232,6 +239,7 @@ class DecodeSignals:
             REPLICA_TPOT_MS: _ms(self.tpot.quantile(self.quantile)),
             MEAN_TPOT_MS: _ms(self.tpot.mean()),
             MEAN_BATCH: -1.0 if (b := self.mean_batch()) is None else b,
+            LOCAL_PROMPT_TOKENS_PER_S: self.prefilled.rate(),
         }
 
 

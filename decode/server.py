@@ -98,12 +98,16 @@ class DecodeServer:
         """The engine's outputs, closed with us (which aborts the request now). A finished
         request's decoding time feeds the autoscaling signals: from its first step when
         its KV was imported, from its first token when it was prefilled here (its
-        prefill shows as the engine's load instead)."""
+        uncached prompt tokens then count as prefill work done here)."""
         async with contextlib.aclosing(stream) as outputs:
             async for outs in outputs:
-                if outs[-1].finished and (m := outs[-1].metrics) is not None:
+                final = outs[-1]
+                if final.finished and (m := final.metrics) is not None:
                     decoding_from = m.first_token_time if local else m.first_scheduled_time
-                    self.signals.request(decoding_from, m.finished_time, outs[-1].num_output_tokens)
+                    self.signals.request(decoding_from, m.finished_time, final.num_output_tokens)
+                    if local and m.first_token_time is not None:
+                        self.signals.prefilled_here(final.num_prompt_tokens - final.num_cached_tokens,
+                                                    m.first_token_time)
                 yield outs
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -9,8 +9,8 @@ Replicas take `cold_start_s` to come up (they cost from the moment they are aske
 for) and a removed replica drains: it takes no new work and goes when empty. With
 `local_prefill` (the router's `disaggregation: auto` or `never`) a prompt it keeps
 local goes straight to a decode replica, which computes it chunked within its token
-budget beside the batch (as loadgen/simulator.py models it); its replica's report
-counts it among running and waiting requests, as a real decode replica's does.
+budget beside the batch (as loadgen/simulator.py models it), and its replica reports
+the prompt tokens it prefilled, as a real decode replica does.
 
 Each pool's replicas report what real replicas report, through the same classes
 (autoscaling/signals.py, on the simulation's clock), and the policies are:
@@ -267,6 +267,7 @@ class ClusterSim:
                         continue
                     req.first_token = self.now + self.dt  # the prompt's last chunk samples it
                     req.left = max(0, req.output - 1)
+                    rep.signals.prefilled_here(req.prompt, req.first_token)
                 else:
                     req.left -= steps
                 if req.left <= 0:

@@ -17,10 +17,8 @@ The rule (`router.disaggregation`):
 - `auto`: prefill locally when the prompt has at most `max_local_prompt_tokens` tokens.
   The decode engine runs such a prompt chunked, within its per-step token budget
   (`engine.max_num_batched_tokens`), so a local prefill never takes a whole step from
-  the running batch. The decode replica's autoscaling report counts a local prefill
-  as a running or waiting request, and its chunks in the TPOT they cause; it has no
-  term for the prompt tokens waiting (simulated, the goodput policy then swings the
-  decode pool: docs/autoscaling.md).
+  the running batch. The decode replica reports the prompt tokens it prefilled per
+  second, and the goodput policy sizes the decode pool for them (docs/autoscaling.md).
 
 What `auto` does not price yet: the decode replica's own prefix match, the decode
 pool's batch and TPOT headroom, and the prefill pool's queue.

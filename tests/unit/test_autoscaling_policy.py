@@ -188,3 +188,25 @@ def test_measured_decode_steps_refine_the_batch_that_fits_the_tpot():
     for t in range(30):
         d = p.decide(t, {"prefill": prefill_pool(1), "decode": decode_pool(1, seqs=25, **slow)}, gateway(tpot=60))
     assert d["decode"].desired == 3  # 25 / 10 (30 per replica by the profile alone: 1)
+
+
+def test_prompts_prefilled_on_decode_add_their_share_of_the_replicas_time():
+    # 20 sequences fit one replica (30 within TPOT); 1,200 prompt tokens/s computed on
+    # decode at the profile's 1,000 tok/s take 1,200 / (1,000 x 0.8) = 1.5 replicas more.
+    d = policy().decide(0, {"prefill": prefill_pool(1), "decode": decode_pool(
+        2, seqs=20, **{sig.LOCAL_PROMPT_TOKENS_PER_S: 600.0})}, gateway())
+    assert d["decode"].desired == 3  # ceil(20 / 30 + 1.5)
+    assert "prefilled here" in d["decode"].detail
+    none = policy().decide(0, {"prefill": prefill_pool(1), "decode": decode_pool(2, seqs=20)}, gateway())
+    assert none["decode"].desired == 1
+
+
+def test_a_replica_slowed_by_its_own_prefills_is_not_taken_for_a_slow_stepper():
+    # Measured TPOT 80 ms at batch 10 against the profile's 40 ms: all of it explained by
+    # half its time going to prompts prefilled here (500 tok/s at 1,000 tok/s), so the
+    # step model stays as profiled and 25 sequences still fit one replica's batch.
+    p = policy()
+    busy = {sig.MEAN_TPOT_MS: 80.0, sig.MEAN_BATCH: 10.0, sig.LOCAL_PROMPT_TOKENS_PER_S: 500.0}
+    for t in range(30):
+        d = p.decide(t, {"prefill": prefill_pool(1), "decode": decode_pool(1, seqs=25, **busy)}, gateway(tpot=60))
+    assert d["decode"].desired == 2  # ceil(25 / 30 + 500 / 800)

@@ -94,3 +94,16 @@ def test_decode_reports_the_mean_batch_its_tpot_was_measured_at():
     assert r[sig.MEAN_BATCH] == pytest.approx(2.4)
     assert r[sig.REPLICA_TPOT_MS] == pytest.approx(100.0) and r[sig.MEAN_TPOT_MS] == pytest.approx(100.0)
     assert r[sig.KV_BLOCKS_USED] == 0
+
+
+def test_decode_reports_the_prompt_tokens_it_prefilled_itself_per_second():
+    c = Clock()
+    s = DecodeSignals(span_s=20.0, clock=c)
+    c.now += 10
+    report = lambda: s.report(LoadSnapshot(), waiting_imports=0)[sig.LOCAL_PROMPT_TOKENS_PER_S]  # noqa: E731
+    assert report() == 0.0
+    s.prefilled_here(300, at=c.now - 1)
+    s.prefilled_here(200, at=c.now)
+    assert report() == pytest.approx(500 / sig.RATE_WINDOW_S)  # a rate over the short window
+    c.now += sig.RATE_WINDOW_S + 1
+    assert report() == 0.0
