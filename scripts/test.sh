@@ -21,31 +21,53 @@ if [ -x scripts/redis.sh ]; then bash scripts/redis.sh start || echo "redis unav
 # Two workers: unit tests run torch on one thread (tests/unit/conftest.py), so one
 # process leaves a core idle.
 stage unit "$VENV/bin/python" -m pytest -m unit -q -p no:cacheprovider -n 2 --durations=8
-# Separate invocations: the integration session owns one Ray cluster until it ends,
-# and e2e starts `duet serve`, which brings up (and tears down) a Ray of its own.
-# Multinode (three Ray nodes in network namespaces; root, skipped without) runs beside
-# integration: its nodes, ports, Redis and processes are all its own, and integration
-# leaves a fifth of both cores idle (lease TTLs, replica restarts, autoscaler windows)
-# that multinode, idle half its time, fills. Its log is printed when it ends.
-multinode_log=$(mktemp)
-stage multinode "$VENV/bin/python" -m pytest -m multinode -q -p no:cacheprovider --durations=5 tests/multinode \
-    >"$multinode_log" 2>&1 &
-multinode_pid=$!
-trap 'pkill -TERM -P "$multinode_pid" 2>/dev/null || true' EXIT  # this script stopped early: stop it too
+# Separate invocations: the integration session owns one Ray cluster until it ends;
+# multinode (three Ray nodes in network namespaces; root, skipped without) and e2e
+# (`duet serve`, which brings up and tears down a Ray of its own) each start their own.
+# Integration leaves a fifth of both cores idle (lease TTLs, replica restarts,
+# autoscaler windows), so the other two run beside it, one after the other (two more
+# clusters at once would not fit in memory): multinode's nodes, ports, Redis and
+# processes are all its own, and e2e runs in a network namespace with only a loopback
+# of its own (root; without one it runs after integration). Their log is printed when
+# they end.
+E2E_NS=duet-e2e-$$
+e2e_netns_up() {
+    [ "$(id -u)" = 0 ] && command -v ip >/dev/null || return 1
+    ip netns add "$E2E_NS" 2>/dev/null && ip -n "$E2E_NS" link set lo up || return 1
+    # `ip netns exec` mounts this over /etc/resolv.conf: a lookup fails at once, never times out.
+    mkdir -p "/etc/netns/$E2E_NS" && echo "nameserver 127.0.0.1" >"/etc/netns/$E2E_NS/resolv.conf"
+}
+e2e_netns_down() { ip netns del "$E2E_NS" 2>/dev/null || true; rm -rf "/etc/netns/$E2E_NS"; }
+e2e() { "$@" "$VENV/bin/python" -m pytest -m e2e -q -p no:cacheprovider --durations=5 tests/e2e; }
+kill_tree() { local child; for child in $(pgrep -P "$1"); do kill_tree "$child"; done; kill -TERM "$1" 2>/dev/null || true; }
+e2e_beside=0
+if e2e_netns_up; then e2e_beside=1; else e2e_netns_down; fi
+beside() {
+    local rc=0
+    stage multinode "$VENV/bin/python" -m pytest -m multinode -q -p no:cacheprovider --durations=5 tests/multinode \
+        || rc=1
+    if [ "$e2e_beside" = 1 ]; then stage e2e e2e ip netns exec "$E2E_NS" || rc=1; fi
+    return $rc
+}
+beside_log=$(mktemp)
+beside >"$beside_log" 2>&1 &
+beside_pid=$!
+trap 'kill_tree "$beside_pid"; e2e_netns_down' EXIT  # this script stopped early: stop them too
 integration_rc=0
 stage integration "$VENV/bin/python" -m pytest -m integration -q -p no:cacheprovider --durations=12 tests/integration \
     || integration_rc=$?
-multinode_rc=0
-wait "$multinode_pid" || multinode_rc=$?
+beside_rc=0
+wait "$beside_pid" || beside_rc=$?
 trap - EXIT
-echo "test.sh: ---- multinode's log ----"
-cat "$multinode_log"
-rm -f "$multinode_log"
-if [ "$integration_rc" != 0 ] || [ "$multinode_rc" != 0 ]; then
-    echo "test.sh: integration exit $integration_rc, multinode exit $multinode_rc" >&2
+e2e_netns_down
+echo "test.sh: ---- the log of what ran beside integration ----"
+cat "$beside_log"
+rm -f "$beside_log"
+if [ "$integration_rc" != 0 ] || [ "$beside_rc" != 0 ]; then
+    echo "test.sh: integration exit $integration_rc; multinode or e2e failed: $beside_rc" >&2
     exit 1
 fi
-stage e2e "$VENV/bin/python" -m pytest -m e2e -q -p no:cacheprovider --durations=5 tests/e2e
+if [ "$e2e_beside" = 0 ]; then stage e2e e2e; fi
 # The image (deploy/Containerfile) built and booted: slow, so only when asked for.
 if [ "${DUET_IMAGE_TEST:-0}" = 1 ]; then
     stage image-build bash scripts/image.sh

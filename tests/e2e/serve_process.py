@@ -30,14 +30,18 @@ decode: {threads: 1}
 
 
 def raylet_pids() -> set[int]:
+    """Raylets on this network: the suite may run these tests in a network namespace of
+    their own while other Ray clusters run beside them (scripts/test.sh)."""
+    ours = os.readlink("/proc/self/ns/net")
     pids = set()
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 cmd = (d / "cmdline").read_bytes()
+                net = os.readlink(d / "ns" / "net")
             except OSError:
                 continue
-            if b"/raylet" in cmd.split(b"\0", 1)[0]:
+            if b"/raylet" in cmd.split(b"\0", 1)[0] and net == ours:
                 pids.add(int(d.name))
     return pids
 
