@@ -21,6 +21,7 @@ from autoscaling.signals import GatewaySignals
 from engine.config import EngineConfig
 from engine.tokenizer import load_tokenizer
 from engine.weights import served_model_name
+from kvtransfer.config import TransferConfig
 from kvtransfer.replica import replica_id
 from routing.openai import pipeline
 from routing.openai.access import APIKeys, KeyLimiter, cache_salt, check_headers, read_body
@@ -98,7 +99,8 @@ class Gateway:
 
     def __init__(
         self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None, telemetry: dict | None = None,
-        slo: dict | None = None, disaggregation: dict | None = None, transfer_timeout_s: float | None = None,
+        slo: dict | None = None, disaggregation: dict | None = None,
+        transfer_timeout_s: float = TransferConfig().timeout_s,
     ):
         """`gateway`, `engine`, `telemetry`, `slo` and `disaggregation` are a dumped
         `GatewayConfig`, the pools' `EngineConfig`, a `TelemetryConfig`, an `SLOConfig`
@@ -119,9 +121,8 @@ class Gateway:
         slo_cfg = SLOConfig.model_validate(slo or {})
         self.signals = GatewaySignals(slo_cfg.ttft_ms, slo_cfg.tpot_ms, quantile=slo_cfg.goodput_target)
         self.keys = APIKeys.load(self.cfg.api_keys_file)
-        grace = {} if transfer_timeout_s is None else {
-            "decode_start_grace_s": transfer_timeout_s + pipeline.DECODE_START_MARGIN_S}
-        self.resilience = pipeline.Resilience(self.cfg.max_migrations, self.cfg.prefill_retries, **grace)
+        self.resilience = pipeline.Resilience(self.cfg.max_migrations, self.cfg.prefill_retries,
+                                              pipeline.grace_after_lease(transfer_timeout_s))
         self.placement = DisaggregationConfig.model_validate(disaggregation or {})
         self.admission = Admission(
             KeyLimiter(self.cfg.max_in_flight_per_key, self.cfg.tokens_per_minute_per_key),

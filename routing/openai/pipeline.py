@@ -72,7 +72,15 @@ _SOURCE_LOST = (RejectReason.TRANSFER_FAILED, RejectReason.LEASE_EXPIRED)
 # has no live replica: a lost node, nowhere to place a new one). A pull begun just
 # before the lease ended is bounded by `transfer.timeout_s`; this much more covers
 # the import and the first step (`Resilience.decode_start_grace_s`).
-DECODE_START_MARGIN_S = 5.0
+_DECODE_START_MARGIN_S = 5.0
+
+
+def grace_after_lease(transfer_timeout_s: float) -> float:
+    """How long past its lease a decode call may take to produce its first output: the
+    longest pull plus the margin for the import and the first step."""
+    return transfer_timeout_s + _DECODE_START_MARGIN_S
+
+
 # Every request through the prefill pool (router.disaggregation's default).
 _ALWAYS = DisaggregationConfig()
 
@@ -94,7 +102,7 @@ class Resilience:
 
     max_migrations: int = 0
     prefill_retries: int = 0
-    decode_start_grace_s: float = TransferConfig().timeout_s + DECODE_START_MARGIN_S
+    decode_start_grace_s: float = grace_after_lease(TransferConfig().timeout_s)
 
 
 class Outcome(StrEnum):
