@@ -130,7 +130,8 @@ def build_app(cfg: ClusterConfig):
         return gateway.bind(**gateway_args, aggregated=pool.bind(**_pool_args(cfg, cfg.aggregated)))
     routers = router_configs(cfg)
     prefill_opts = _options("prefill", cfg.prefill, drain_at_least_s=cfg.transfer.lease_ttl_s + 5)
-    decode_opts = _options("decode", cfg.decode)
+    # A draining decode replica's leases (sequences it moved) outlive its calls, too.
+    decode_opts = _options("decode", cfg.decode, drain_at_least_s=cfg.transfer.lease_ttl_s + 5)
     if routers:
         prefill_opts["request_router_config"] = routers["prefill"]
         decode_opts["request_router_config"] = routers["decode"]

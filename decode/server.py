@@ -12,10 +12,18 @@ For a `PrefillRequest` (the router's `disaggregation` rule chose to prefill it h
 routing/router/disaggregation.py) the replica computes the prompt itself, chunked
 within its engine's per-step token budget beside the running batch, and streams the
 whole request: no lease, no transfer.
+
+When Serve starts draining the replica (scale-down, rolling update; `DrainWatch`)
+and `transfer.move_on_drain` is on, its decoding sequences move instead of finishing
+here: each leaves the engine with its KV pinned, the replica's `KVExporter` leases
+the blocks the way prefill does, and the stream ends with a `SequenceMoved` whose
+`DecodeRequest` another decode replica imports and continues (sampler, detokenizer
+and grammar state included). The replica stops once those leases have ended.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -25,11 +33,13 @@ from typing import Any
 from autoscaling.signals import DecodeSignals
 from engine.async_engine import start_engine
 from engine.config import EngineConfig
-from engine.request import RequestOutput
+from engine.engine import MovedSequence
+from engine.request import FinishReason, RequestOutput
 from kvtransfer.backends import backend_for
 from kvtransfer.config import TransferConfig
-from kvtransfer.handoff import KVImporter
-from kvtransfer.messages import DecodeRequest, PrefillRequest, RoutingStats
+from kvtransfer.drain import DrainWatch
+from kvtransfer.handoff import KVExporter, KVImporter
+from kvtransfer.messages import DecodeRequest, PrefillRequest, RoutingStats, SequenceMoved
 from kvtransfer.replica import node_ip, replica_id
 from telemetry import tracing
 from telemetry.replica import ReplicaTelemetry
@@ -39,7 +49,8 @@ log = logging.getLogger(__name__)
 
 
 class DecodeServer:
-    """Owns one decode engine, its KV transfer backend and its importer.
+    """Owns one decode engine, its KV transfer backend, its importer, and the exporter
+    of the sequences it hands on when it drains.
 
     Constructor arguments are dumped settings: `engine` an `EngineConfig`, `transfer`
     a `TransferConfig`, `telemetry` a `TelemetryConfig`.
@@ -57,21 +68,39 @@ class DecodeServer:
             recompute_on_failure=self.transfer.on_failure == "recompute", recorder=self.telemetry.metrics,
         )
         self.signals = DecodeSignals()
+        self.exporter = KVExporter(self.backend, self.replica_id, self._free_blocks,
+                                   lease_ttl_s=self.transfer.lease_ttl_s, host=node_ip())
+        self._moved: dict[str, MovedSequence] = {}  # leased on the engine thread, until its stream says so
+        self._moves_out = 0
+        self.drain = DrainWatch(self._on_drain)
+        self._closed = False
         log.info("decode replica %s ready (backend %s)", self.replica_id, self.backend.name)
 
-    async def generate(self, req: DecodeRequest | PrefillRequest) -> AsyncIterator[list[RequestOutput]]:
+    async def generate(
+        self, req: DecodeRequest | PrefillRequest
+    ) -> AsyncIterator[list[RequestOutput] | SequenceMoved]:
         """The request's outputs after its first token (a `DecodeRequest`: its KV is
-        imported), or all of them (a `PrefillRequest`: prefilled here)."""
+        imported), or all of them (a `PrefillRequest`: prefilled here); a
+        `SequenceMoved` last when the replica drained and handed the request on."""
+        self._watch_drain()
         span = tracing.start_span("decode", req.trace, SpanKind.SERVER, {
             "duet.request_id": req.request_id,
             "duet.replica": self.replica_id,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
             "duet.prefilled_here": isinstance(req, PrefillRequest),
+            "duet.resumed": isinstance(req, DecodeRequest) and req.resume is not None,
         })
         steps = self._generate_local(req) if isinstance(req, PrefillRequest) else self._generate(req, span)
         async with contextlib.aclosing(self.telemetry.traced(span, steps)) as batches:
             async for outs in batches:
-                yield outs
+                if outs[-1].finish_reason is not FinishReason.MOVED:
+                    yield outs
+                    continue
+                if outs[:-1]:
+                    yield outs[:-1]
+                moved = self._hand_on(req)
+                tracing.set_attributes(span, {"duet.moved": True, "duet.lease_id": moved.request.kv_handle.lease_id})
+                yield moved
 
     async def _generate(self, req: DecodeRequest, span: tracing.Span) -> AsyncGenerator[list[RequestOutput], None]:
         started = time.monotonic()
@@ -79,7 +108,8 @@ class DecodeServer:
         tracing.set_attributes(span, {"duet.import_wait_ms": round((time.monotonic() - started) * 1e3, 3)})
         try:
             stream = await self.aengine.add_imported_request(
-                req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, imported.take, req.cache_salt
+                req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, imported.take,
+                req.cache_salt, req.resume,
             )
         except BaseException:
             imported.discard()  # the engine never took them (cancelled first, or it refused)
@@ -102,13 +132,51 @@ class DecodeServer:
         async with contextlib.aclosing(stream) as outputs:
             async for outs in outputs:
                 final = outs[-1]
-                if final.finished and (m := final.metrics) is not None:
+                moved = final.finish_reason is FinishReason.MOVED  # it decodes on elsewhere
+                if final.finished and not moved and (m := final.metrics) is not None:
                     decoding_from = m.first_token_time if local else m.first_scheduled_time
                     self.signals.request(decoding_from, m.finished_time, final.num_output_tokens)
                     if local and m.first_token_time is not None:
                         self.signals.prefilled_here(final.num_prompt_tokens - final.num_cached_tokens,
                                                     m.first_token_time)
                 yield outs
+
+    def _free_blocks(self, block_ids) -> None:
+        """A lease on blocks this replica moved out ended: free them."""
+        self.aengine.release_blocks(list(block_ids))
+
+    # ------------------------------------------------------------ moving on drain
+    def _watch_drain(self) -> None:
+        if self.transfer.move_on_drain and not self._closed:
+            self.drain.start()  # needs the running loop: started by the first call
+
+    def _on_drain(self) -> None:
+        """Serve stopped routing here: hand every decoding sequence on (those still
+        prefilling here finish here)."""
+        asyncio.ensure_future(self._move_all())
+
+    async def _move_all(self) -> None:
+        ids = list(self.aengine.stats.request_ids)
+        try:
+            moved = await self.aengine.move_out(ids, self._lease_moved)
+        except Exception:
+            log.exception("moving the running sequences of a draining replica failed")
+            return
+        log.warning("draining: moved %d of %d sequences", len(moved), len(ids))
+
+    def _lease_moved(self, seq: MovedSequence) -> None:
+        """On the engine thread, as the sequence leaves the engine: lease its blocks."""
+        self.exporter.grant(seq.request_id, seq.block_ids)
+        self._moved[seq.request_id] = seq
+
+    def _hand_on(self, req: DecodeRequest | PrefillRequest) -> SequenceMoved:
+        """The request that continues a sequence this replica moved out, its KV leased here."""
+        seq = self._moved.pop(req.request_id)
+        self._moves_out += 1
+        handle = self.exporter.handle_for(req.request_id, seq.num_computed_tokens)
+        call = DecodeRequest(req.request_id, tuple(seq.token_ids[:-1]), seq.token_ids[-1], req.sampling, handle,
+                             req.trace, req.cache_salt, resume=seq.resume)
+        return SequenceMoved(call, self.replica_id)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by Serve every `router.stats_period_s` for the decode router."""
@@ -133,8 +201,36 @@ class DecodeServer:
             "transfer_seconds": m.seconds,
             "transfer_blocks": m.blocks,
             **self.importer.stats_dict(),
+            **self.exporter.stats(),
+            "moves_out": self._moves_out,
+            "draining": self.drain.draining,
         }
 
     async def check_health(self) -> None:
+        self._watch_drain()
         self.importer.sweep()  # Serve calls this every few seconds
         self.aengine.check_health()
+
+    def shutdown(self) -> None:
+        """Serve calls this (through `__del__`) once the replica's calls have ended. The
+        leases of the sequences it moved out outlive those calls: wait until each is
+        released, rejected or expired (at most one lease TTL) before the blocks a
+        decode replica may be reading disappear; then stop transfers and the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        self.drain.stop()
+        left = self.exporter.drain(self.exporter.lease_ttl_s + 1.0)
+        if left:
+            log.warning("decode replica stopping with %d leases still active", left)
+        for close in (self.telemetry.close, self.exporter.close, self.backend.close, self.aengine.shutdown):
+            try:
+                close()
+            except Exception:
+                log.exception("decode shutdown step failed")
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 import torch
 
 from engine.config import EngineConfig, Role
-from engine.engine import Engine
+from engine.engine import Engine, MovedSequence
 from engine.kv_events import KVEvent
-from engine.request import RequestOutput
+from engine.request import RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from engine.structured import GrammarMatcher
@@ -152,26 +152,51 @@ class AsyncEngine:
         sampling: SamplingParams,
         take_blocks: Callable[[], list[int] | None],
         cache_salt: str | None = None,
+        resume: ResumeState | None = None,
     ) -> AsyncGenerator[list[RequestOutput], None]:
         """Start a request whose prompt KV was imported: `take_blocks` hands over the
         blocks holding it (None: recompute the prompt here), on the engine thread and
         only if the request really starts. If the engine refuses the request, the
         blocks are freed here; if the command never runs (cancelled first), the
-        caller still owns them."""
+        caller still owns them. `resume`: a sequence another engine moved out."""
         eng = self.engine
-        grammar = await self._grammar(sampling, [first_token])
+        num_output = 1 if resume is None else resume.num_output_tokens
+        grammar = await self._grammar(sampling, [*prompt_token_ids, first_token][-num_output:])
 
         def start() -> None:
             blocks = take_blocks()
             try:
                 eng.add_imported_request(request_id, prompt_token_ids, first_token, sampling, blocks, grammar=grammar,
-                                         cache_salt=cache_salt)
+                                         cache_salt=cache_salt, resume=resume)
             except Exception:
                 if blocks is not None:
                     eng.release_blocks(blocks)
                 raise
 
         return await self.add(request_id, start)
+
+    async def move_out(self, request_ids: list[str], on_moved: Callable[[MovedSequence], None]) -> list[str]:
+        """Take these requests' decoding sequences out of the engine, in one command
+        between steps (`Engine.move_out`); `on_moved` gets each on the engine thread
+        (where its blocks must be leased, before its stream ends). Returns the ids
+        moved; the others (not decoding now) stay."""
+        eng = self.engine
+
+        def move() -> list[str]:
+            moved = []
+            for request_id in request_ids:
+                seq = eng.move_out(request_id)
+                if seq is None:
+                    continue
+                try:
+                    on_moved(seq)
+                except Exception:
+                    eng.release_blocks(seq.block_ids)
+                    raise
+                moved.append(request_id)
+            return moved
+
+        return await self.call(move)
 
     async def _grammar(self, sampling: SamplingParams, output_ids: list[int]) -> GrammarMatcher | None:
         """A structured request's matcher, compiled on a worker thread: a large schema

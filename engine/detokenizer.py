@@ -8,11 +8,28 @@ back too, so a stop string split across steps never leaks to the client.
 
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # engine.request imports this module, and the tokenizer's imports import it
+    from engine.tokenizer import Tokenizer
 
 # Tokens of context re-decoded before the new ones, so merges at the boundary
 # (leading spaces, multi-byte characters) come out right.
 _CONTEXT_TOKENS = 6
+
+
+@dataclass(frozen=True)
+class DetokenizerState:
+    """Where one request's detokenizer stands, to resume it in another engine: the
+    tokens from the last settled context on (`read_offset` of them are settled), and
+    the text from the earliest character a stop string may still start at, of which
+    `emitted` characters the client has been sent."""
+
+    tokens: tuple[int, ...]
+    read_offset: int
+    text: str
+    emitted: int
 
 
 class IncrementalDetokenizer:
@@ -28,6 +45,20 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def state(self) -> DetokenizerState:
+        keep = max(0, self.emitted - self.hold)
+        return DetokenizerState(tuple(self.tokens[self.prefix_offset :]), self.read_offset - self.prefix_offset,
+                                self.text[keep:], self.emitted - keep)
+
+    @classmethod
+    def resume(cls, tokenizer: Tokenizer, state: DetokenizerState, stop: list[str],
+               include_stop: bool = False) -> IncrementalDetokenizer:
+        """The detokenizer `state` was taken from, continuing where it stood."""
+        detok = cls(tokenizer, [], stop, include_stop)
+        detok.tokens, detok.read_offset = list(state.tokens), state.read_offset
+        detok.text, detok.emitted = state.text, state.emitted
+        return detok
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Append tokens; returns (new text for the client, whether a stop string hit)."""

@@ -28,7 +28,7 @@ from engine.kv_events import KVEvent
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.quant import activation_dtype
-from engine.request import FinishReason, Request, RequestMetrics, RequestOutput, RequestStatus
+from engine.request import FinishReason, Request, RequestMetrics, RequestOutput, RequestStatus, ResumeState
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -52,6 +52,22 @@ class ExportedKV:
     request_id: str
     block_ids: list[int]
     num_tokens: int
+
+
+@dataclass(frozen=True)
+class MovedSequence:
+    """A decoding sequence taken out of this engine (`move_out`), its KV blocks pinned
+    (one reference each) for another engine to import and continue it: `block_ids`
+    hold the KV of every token but the last, which the next step feeds."""
+
+    request_id: str
+    block_ids: list[int]
+    token_ids: list[int]
+    resume: ResumeState
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return len(self.token_ids) - 1
 
 
 @dataclass
@@ -192,14 +208,18 @@ class Engine:
         self._start(req, grammar=grammar)
         return request_id
 
-    def _start(self, req: Request, context_ids: list[int] | None = None, grammar: GrammarMatcher | None = None) -> None:
+    def _start(self, req: Request, context_ids: list[int] | None = None, grammar: GrammarMatcher | None = None,
+               resume: ResumeState | None = None) -> None:
         if req.sampling.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
+            if resume is not None and resume.generator_state is not None:
+                req.generator.set_state(torch.frombuffer(bytearray(resume.generator_state), dtype=torch.uint8))
         if req.sampling.structured is not None:  # a request taken over replays its tokens
             req.grammar = grammar or self.grammars.matcher(req.sampling.structured, req.output_token_ids)
-        stop = req.sampling.stop
-        self._detoks[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, context_ids or req.prompt_token_ids, stop, req.sampling.include_stop_str_in_output
+        stop, include_stop = req.sampling.stop, req.sampling.include_stop_str_in_output
+        self._detoks[req.request_id] = (
+            IncrementalDetokenizer.resume(self.tokenizer, resume.detokenizer, stop, include_stop) if resume
+            else IncrementalDetokenizer(self.tokenizer, context_ids or req.prompt_token_ids, stop, include_stop)
         )
         self.scheduler.add(req)
 
@@ -209,6 +229,31 @@ class Engine:
             return False
         self._finish(req, FinishReason.ABORT, "")
         return True
+
+    def move_out(self, request_id: str) -> MovedSequence | None:
+        """Take a decoding sequence out of this engine with its KV blocks pinned, to
+        continue in another (`add_imported_request` with `resume`); its stream ends
+        with finish reason MOVED. None when it is not decoding (waiting, prefilling,
+        preempted, or not here): it stays."""
+        req = self.scheduler.requests.get(request_id)
+        if (req is None or req.status is not RequestStatus.RUNNING or req.num_output_tokens == 0
+                or req.num_computed_tokens != req.num_tokens - 1):
+            return None
+        gen = req.generator
+        resume = ResumeState(
+            num_output_tokens=req.num_output_tokens,
+            generator_state=None if gen is None else bytes(gen.get_state().numpy()),
+            detokenizer=self._detoks[request_id].state(),
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+        blocks = self.scheduler.finish(req, FinishReason.MOVED, keep_blocks=True)
+        needed = self.kv_manager.blocks_needed(req.num_computed_tokens)
+        if len(blocks) > needed:  # a slot the next step would have written
+            self.kv_manager.release_blocks(blocks[needed:])
+            blocks = blocks[:needed]
+        del self._detoks[request_id]
+        self._pending.append(self._output(req, [], "", FinishReason.MOVED))
+        return MovedSequence(request_id, blocks, list(req.token_ids), resume)
 
     # ------------------------------------------------------------ prefill export / decode import
     def take_export(self, request_id: str) -> ExportedKV | None:
@@ -235,23 +280,32 @@ class Engine:
         num_cached_tokens: int = 0,
         grammar: GrammarMatcher | None = None,
         cache_salt: str | None = None,
+        resume: ResumeState | None = None,
     ) -> None:
         """Join the running batch with the prompt's KV already in `block_ids`; the next
         step computes the first token's KV and samples the second. `block_ids=None`
         means the import failed: recompute the prompt here (counted by the caller).
-        The imported blocks enter this pool's prefix cache under `cache_salt`'s chain."""
+        The imported blocks enter this pool's prefix cache under `cache_salt`'s chain.
+
+        With `resume`, a sequence another engine moved out (`move_out`): the last
+        `resume.num_output_tokens` of `prompt_token_ids + [first_token]` are its output
+        so far, and its sampler, detokenizer and grammar continue where they stood."""
         sampling.validate()
         sampling.check_vocab(self.model_config.vocab_size)
         self.validate_prompt(prompt_token_ids)
-        req = Request(request_id, list(prompt_token_ids), sampling, cache_salt=cache_salt)
-        req.token_ids.append(first_token)
-        req.num_cached_tokens = num_cached_tokens
+        tokens = [*prompt_token_ids, first_token]
+        num_output = 1 if resume is None else resume.num_output_tokens
+        if not 1 <= num_output < len(tokens):
+            raise InvalidRequest("resume", f"{num_output} output tokens of a sequence of {len(tokens)}")
+        req = Request(request_id, tokens[:-num_output], sampling, cache_salt=cache_salt)
+        req.token_ids = tokens
+        req.num_cached_tokens = num_cached_tokens if resume is None else resume.num_cached_tokens
         if block_ids is not None:
             req.block_ids = list(block_ids)
             req.num_computed_tokens = len(prompt_token_ids)
             req.status = RequestStatus.RUNNING
             self.kv_manager.cache_computed_blocks(req)
-        self._start(req, context_ids=req.token_ids, grammar=grammar)
+        self._start(req, context_ids=req.token_ids, grammar=grammar, resume=resume)
 
     # ------------------------------------------------------------ the step
     def has_unfinished(self) -> bool:

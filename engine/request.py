@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.detokenizer import DetokenizerState
 from engine.hashing import BlockHash
 from engine.sampling_params import SamplingParams
 from engine.structured import GrammarMatcher
@@ -27,6 +28,9 @@ class FinishReason(str, enum.Enum):
     # A structured output's grammar allowed no further token (its matcher failed); the
     # output is the longest valid prefix of a document, not a whole one.
     GRAMMAR_DEAD_END = "grammar_dead_end"
+    # The running sequence left this engine with its KV pinned, to continue on another
+    # replica (a draining decode replica hands its sequences on); never a client's.
+    MOVED = "moved"
 
 
 @dataclass
@@ -90,6 +94,19 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """What a sequence continued in another engine needs besides its KV and tokens:
+    how many of its tokens are output (max_tokens, penalties and its grammar count
+    them), its seeded sampler's generator, its detokenizer (text held back for a
+    partial character or a possible stop string), and its prompt's cache hit."""
+
+    num_output_tokens: int
+    generator_state: bytes | None
+    detokenizer: DetokenizerState
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,10 @@ class TransferConfig(BaseModel):
     timeout_s: float = Field(10.0, gt=0)
     # error: the request fails with a clear error; recompute: decode prefills it itself.
     on_failure: Literal["error", "recompute"] = "error"
+    # A decode replica that Serve drains (scale-down, rolling update) hands its
+    # decoding sequences, KV and all, to the pool's other replicas; off: it finishes
+    # them itself (the stopped replica lives until they end, up to drain_timeout_s).
+    move_on_drain: bool = True
     # NIXL: the UCX transports (UCX_TLS) its agents may use, e.g. "tcp,self" to force
     # the network path between nodes, "rc,ud,self" for RDMA. None: UCX chooses.
     ucx_tls: str | None = Field(None, pattern=r"^\^?[a-z0-9_,:]+$")

@@ -6,6 +6,8 @@ holds a tensor or a connection. The flow (docs/ARCHITECTURE.md, "One request"):
     gateway  --PrefillRequest-->  prefill  --PrefillResult(kv_handle)-->  gateway
     gateway  --DecodeRequest(kv_handle)-->  decode
     decode   --Release | Reject-->  prefill            (ends the lease)
+    decode   --SequenceMoved(DecodeRequest)-->  gateway  (it drains: its KV leased)
+    gateway  --DecodeRequest(its kv_handle)-->  another decode
     gateway  --Reject(client_disconnected)-->  prefill (nobody will pull it)
 
 A client that goes away after decode started is a cancelled Serve call: the
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from engine.request import FinishReason
+from engine.request import FinishReason, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from kvtransfer.backends.base import PeerInfo
@@ -48,6 +50,8 @@ class KVHandle:
     """
 
     request_id: str
+    # The replica that granted the lease: a prefill replica, or a draining decode
+    # replica handing a running sequence on (`SequenceMoved`).
     prefill_replica_id: str
     backend: str
     peer: PeerInfo
@@ -139,6 +143,9 @@ class DecodeRequest:
     kv_handle: KVHandle
     trace: TraceCarrier | None = None
     cache_salt: str | None = None  # as in PrefillRequest: the imported blocks are cached under it
+    # A sequence a draining decode replica moved (`SequenceMoved`): its output so far is
+    # the tail of prompt_token_ids + first_token, and its sampler state goes on.
+    resume: ResumeState | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
@@ -147,6 +154,17 @@ class DecodeRequest:
                 f"kv_handle covers {self.kv_handle.num_tokens} tokens, prompt has "
                 f"{len(self.prompt_token_ids)}"
             )
+
+
+@dataclass(frozen=True)
+class SequenceMoved:
+    """What a draining decode replica streams in place of a request's next tokens: the
+    request goes on elsewhere from `request`, whose handle leases the KV of every token
+    so far on the draining replica (granted like a prefill's). The caller sends it to
+    another decode replica; the client's stream goes on without a prefill."""
+
+    request: DecodeRequest
+    from_replica: str
 
 
 class RejectReason(StrEnum):

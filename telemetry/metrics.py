@@ -58,6 +58,8 @@ CACHED_TOKENS = _c("duet_cached_prompt_tokens_total", "Prompt tokens served from
 OUTPUT_TOKENS = _c("duet_output_tokens_total", "Generated tokens")
 IN_FLIGHT = _g("duet_requests_in_flight", "Requests inside the gateway")
 MIGRATIONS = _c("duet_migrations_total", "Requests continued on another decode replica after theirs was lost")
+MOVES = _c("duet_sequence_moves_total",
+           "Decoding sequences handed on, KV and all, to another decode replica when theirs drained")
 GOODPUT = _g("duet_goodput_ratio", "Fraction of the last window's finished requests that met the SLO (TTFT and TPOT)")
 PREFILL_RETRIES = _c("duet_prefill_retries_total", "Prefill calls retried on another replica after theirs was lost")
 PLACEMENTS = _c("duet_disaggregation_decisions_total",

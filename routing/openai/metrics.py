@@ -13,8 +13,8 @@ from telemetry.metrics import Recorder
 # Declared up front so `/metrics` lists them before the first request.
 GATEWAY_FAMILIES = (
     metrics.TTFT, metrics.TPOT, metrics.ITL, metrics.E2E, metrics.REQUESTS, metrics.PROMPT_TOKENS,
-    metrics.CACHED_TOKENS, metrics.OUTPUT_TOKENS, metrics.IN_FLIGHT, metrics.MIGRATIONS, metrics.PREFILL_RETRIES,
-    metrics.GOODPUT, metrics.PLACEMENTS,
+    metrics.CACHED_TOKENS, metrics.OUTPUT_TOKENS, metrics.IN_FLIGHT, metrics.MIGRATIONS, metrics.MOVES,
+    metrics.PREFILL_RETRIES, metrics.GOODPUT, metrics.PLACEMENTS,
 )
 
 

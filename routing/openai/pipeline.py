@@ -22,6 +22,13 @@ sampling and penalties restart from the migrated context (documented limits). A 
 replica that cannot import the KV because its source is gone (the prefill replica died
 after answering, or the lease ran out) has decoded nothing: the request is prefilled
 again elsewhere, within the same `gateway.prefill_retries`.
+
+Replicas that drain hand their work on. A decode replica Serve stops (scale-down,
+rolling update) ends each decoding stream with a `SequenceMoved`: the next decode
+replica imports the sequence's KV from it, as from a prefill, and continues with its
+sampler, detokenizer and grammar state (`_Decoding`): no prefill, nothing recomputed,
+greedy and seeded output as if nothing happened. A moved sequence whose KV does not
+arrive is recomputed elsewhere as a migration.
 """
 
 from __future__ import annotations
@@ -45,7 +52,14 @@ from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.config import TransferConfig
 from kvtransfer.handoff import LeaseGuard
-from kvtransfer.messages import DecodeRequest, ImportFailed, PrefillRequest, PrefillResult, RejectReason
+from kvtransfer.messages import (
+    DecodeRequest,
+    ImportFailed,
+    PrefillRequest,
+    PrefillResult,
+    RejectReason,
+    SequenceMoved,
+)
 from routing.openai.errors import deadline_exceeded
 from routing.router.disaggregation import DisaggregationConfig, Placement, Where, choose_placement
 
@@ -92,6 +106,7 @@ class Timing:
     start: float = field(default_factory=time.monotonic)
     migrations: int = 0
     prefill_retries: int = 0
+    moves: int = 0  # times a draining decode replica handed the sequence on, KV and all
 
 
 @dataclass(frozen=True)
@@ -153,52 +168,67 @@ async def disaggregated(
             return
 
 
-class _Pass:
-    """One prefill → decode pass of a request: prefill (retried on another replica if
-    its replica is lost), the first token at once, then decode under a `LeaseGuard`.
-    `outcome` says how it ended; a failure it cannot recover from raises `UpstreamError`."""
+class _Decoding:
+    """A pass's decode calls: the first, and one more each time a draining decode
+    replica hands the sequence on (`SequenceMoved`: its KV leased there, pulled by
+    the next replica, no prefill). `outcome` says how the last one ended."""
 
-    def __init__(self, prefill_handle, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience):
-        self.prefill, self.decode = prefill_handle, decode_handle
-        self.req, self.timing, self.resilience = req, timing, resilience
+    def __init__(self, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience):
+        self.decode, self.req, self.timing, self.resilience = decode_handle, req, timing, resilience
         self.outcome = Outcome.DONE
 
-    async def run(self) -> AsyncGenerator[list[RequestOutput], None]:
-        result = await _prefill(self.prefill, self.req, self.timing, self.resilience)
-        handle = result.kv_handle
-        if handle is None:  # finished at prefill: no lease was granted
-            yield [_first_output(result)]
-            return
+    async def follow(self, call: DecodeRequest, first: list[RequestOutput] | None = None,
+                     ) -> AsyncGenerator[list[RequestOutput], None]:
+        """`call` decoded to its end, following each move; `first` (the prefill's first
+        token) is yielded under the first call's lease."""
+        while True:
+            moved: list[SequenceMoved] = []
+            async with contextlib.aclosing(self._one(call, first, moved)) as batches:
+                async for outs in batches:
+                    yield outs
+            if not moved or self.outcome is not Outcome.DONE:
+                return
+            first, call = None, moved[0].request
+            self.timing.moves += 1
+            log.info("request %s: decode replica %s drained; its sequence moved with its KV",
+                     self.req.request_id, moved[0].from_replica)
+
+    async def _one(self, call: DecodeRequest, first: list[RequestOutput] | None, moved: list[SequenceMoved],
+                   ) -> AsyncGenerator[list[RequestOutput], None]:
+        """One decode call under a `LeaseGuard` on its handle; a `SequenceMoved` it ends
+        with goes into `moved`."""
+        handle = call.kv_handle
         async with LeaseGuard(handle, _REJECT_TIMEOUT_S) as lease:
-            yield [_first_output(result)]
-            req = self.req
-            assert result.first_token is not None  # a lease is granted with the first token
-            call = DecodeRequest(req.request_id, req.prompt_token_ids, result.first_token, req.sampling, handle,
-                                 req.trace, req.cache_salt)
+            if first:
+                yield first
             stream = self.decode.options(stream=True).generate.remote(call)
             finished = False  # the request's final output came through
             try:
                 batches = stream.__aiter__()
                 grace = self.resilience.decode_start_grace_s
-                outs = await _first_batch(batches, max(0.0, handle.lease_expiry - time.time()) + grace)
+                item = await _first_batch(batches, max(0.0, handle.lease_expiry - time.time()) + grace)
                 while True:
-                    finished = outs[-1].finished
-                    yield outs
-                    outs = await batches.__anext__()
+                    if isinstance(item, SequenceMoved):
+                        moved.append(item)
+                    else:
+                        finished = item[-1].finished
+                        yield item
+                    item = await batches.__anext__()
             except StopAsyncIteration:
-                lease.settled()  # decode streamed the request to its end and released the lease
+                lease.settled()  # decode imported the KV (and released the lease), then streamed to the end
             except (asyncio.CancelledError, GeneratorExit, UpstreamError):
                 stream.cancel()
                 raise
             except Exception as e:
-                if finished:  # lost after the end: nothing to migrate (decode released the lease)
+                if finished or moved:  # lost after the end, or after handing the sequence on
                     lease.settled()
                     return
-                self._decode_failed(e, lease)
+                self._failed(e, lease, resumed=call.resume is not None)
 
-    def _decode_failed(self, e: Exception, lease: LeaseGuard) -> None:
-        """Decide what a failed decode call means: migrate (its replica was lost), prefill
-        again (the KV's source is gone), or fail the request (raise `UpstreamError`)."""
+    def _failed(self, e: Exception, lease: LeaseGuard, resumed: bool) -> None:
+        """Decide what a failed decode call means: migrate (its replica was lost, or a
+        moved sequence could not be imported), prefill again (the KV's source is gone),
+        or fail the request (raise `UpstreamError`)."""
         req, timing, resilience = self.req, self.timing, self.resilience
         if isinstance(e, _REPLICA_GONE):
             lease.reject_as(RejectReason.DECODE_LOST)
@@ -207,6 +237,10 @@ class _Pass:
             return
         if isinstance(e, ImportFailed):
             lease.settled()  # decode rejected it (and its replica may be gone)
+            if resumed:  # the draining replica's KV did not arrive: recompute it elsewhere
+                _count_migration(req, e, timing, resilience)
+                self.outcome = Outcome.MIGRATE
+                return
             if e.reason in _SOURCE_LOST and timing.prefill_retries < resilience.prefill_retries:
                 timing.prefill_retries += 1
                 self.outcome = Outcome.REPREFILL
@@ -215,32 +249,79 @@ class _Pass:
         raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
 
 
+class _Pass:
+    """One prefill → decode pass of a request: prefill (retried on another replica if
+    its replica is lost), the first token at once, then decode (`_Decoding`: under a
+    `LeaseGuard`, following moves). `outcome` says how it ended; a failure it cannot
+    recover from raises `UpstreamError`."""
+
+    def __init__(self, prefill_handle, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience):
+        self.prefill, self.req, self.timing, self.resilience = prefill_handle, req, timing, resilience
+        self.decoding = _Decoding(decode_handle, req, timing, resilience)
+
+    @property
+    def outcome(self) -> Outcome:
+        return self.decoding.outcome
+
+    async def run(self) -> AsyncGenerator[list[RequestOutput], None]:
+        result = await _prefill(self.prefill, self.req, self.timing, self.resilience)
+        handle = result.kv_handle
+        if handle is None:  # finished at prefill: no lease was granted
+            yield [_first_output(result)]
+            return
+        req = self.req
+        assert result.first_token is not None  # a lease is granted with the first token
+        call = DecodeRequest(req.request_id, req.prompt_token_ids, result.first_token, req.sampling, handle,
+                             req.trace, req.cache_salt)
+        async with contextlib.aclosing(self.decoding.follow(call, [_first_output(result)])) as batches:
+            async for outs in batches:
+                yield outs
+
+
 class _LocalPass:
     """One pass of a request prefilled where it decodes: the whole request on one decode
     replica (a `PrefillRequest` to its `generate`), no lease and no transfer. A replica
-    lost mid-stream migrates the request as `_Pass` does; `outcome` says how it ended."""
+    lost mid-stream migrates the request as `_Pass` does, and one that drains hands it
+    on (`_Decoding`); `outcome` says how it ended."""
 
     def __init__(self, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience):
         self.decode, self.req, self.timing, self.resilience = decode_handle, req, timing, resilience
-        self.outcome = Outcome.DONE
+        self.decoding = _Decoding(decode_handle, req, timing, resilience)
+        self._outcome = Outcome.DONE
+
+    @property
+    def outcome(self) -> Outcome:
+        return self._outcome if self._outcome is not Outcome.DONE else self.decoding.outcome
 
     async def run(self) -> AsyncGenerator[list[RequestOutput], None]:
         stream = self.decode.options(stream=True).generate.remote(self.req)
         finished = False
+        moved: SequenceMoved | None = None
         try:
-            async for outs in stream:
-                finished = outs[-1].finished
-                yield outs
+            async for item in stream:
+                if isinstance(item, SequenceMoved):
+                    moved = item
+                    continue
+                finished = item[-1].finished
+                yield item
         except (asyncio.CancelledError, GeneratorExit):
             stream.cancel()
             raise
         except Exception as e:
             if finished:
                 return
-            if not isinstance(e, _REPLICA_GONE):
-                raise UpstreamError(f"decode failed: {_short(e)}") from e
-            _count_migration(self.req, e, self.timing, self.resilience)
-            self.outcome = Outcome.MIGRATE
+            if moved is None:
+                if not isinstance(e, _REPLICA_GONE):
+                    raise UpstreamError(f"decode failed: {_short(e)}") from e
+                _count_migration(self.req, e, self.timing, self.resilience)
+                self._outcome = Outcome.MIGRATE
+                return
+        if moved is None:
+            return
+        self.timing.moves += 1
+        async with contextlib.aclosing(self.decoding.follow(moved.request)) as batches:
+            async for outs in batches:
+                yield outs
 
 
 def _count_migration(req: PrefillRequest, e: Exception, timing: Timing, resilience: Resilience) -> None:

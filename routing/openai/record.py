@@ -157,6 +157,7 @@ class RequestRecord:
         r.inc(metrics.REQUESTS, endpoint=self.call.endpoint, status=status)
         r.inc(metrics.OUTPUT_TOKENS, self.num_output_tokens)
         r.inc(metrics.MIGRATIONS, t.migrations)
+        r.inc(metrics.MOVES, t.moves)
         r.inc(metrics.PREFILL_RETRIES, t.prefill_retries)
         r.observe(metrics.E2E, end - t.start)
         ttft = None if self.first is None else self.first - t.start
@@ -182,6 +183,7 @@ class RequestRecord:
             "duet.tpot_ms": None if tpot is None else round(tpot * 1e3, 3),
             "duet.e2e_ms": round((end - t.start) * 1e3, 3),
             "duet.migrations": t.migrations,
+            "duet.moves": t.moves,
             "duet.prefill_retries": t.prefill_retries,
         })
         tracing.end_span(self.span, error)

@@ -53,3 +53,24 @@ def test_engine_stop_string_and_seeded_repeat(engine):
     sp = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=123)
     a, b = engine.generate([prompt, prompt], [sp, SamplingParams(**{**sp.__dict__})])
     assert a.token_ids == b.token_ids
+
+
+def test_a_resumed_detokenizer_continues_the_text_exactly(base_engine):
+    """Its state moved to another engine after any token (mid-character, mid-stop-
+    string), the text the client gets is the same as without the move."""
+    tok = base_engine.tokenizer
+    ids = tok.encode("Café 🙂 naïve: the end. 東京")
+    stop = ["end.", "zz"]
+    whole, hit = stream(tok, ids, stop)
+    assert hit and "".join(whole) == "Café 🙂 naïve: the "
+    stops_at = len(whole)  # the token that completes the stop string, counted from 1
+    for cut in range(1, stops_at):
+        first = IncrementalDetokenizer(tok, [], stop)
+        pieces = [first.add([t])[0] for t in ids[:cut]]
+        resumed = IncrementalDetokenizer.resume(tok, first.state(), stop)
+        for t in ids[cut:]:
+            text, hit_after = resumed.add([t])
+            pieces.append(text)
+            if hit_after:
+                break
+        assert hit_after and "".join(pieces) == "".join(whole), cut

@@ -17,7 +17,15 @@ from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 from kvtransfer.backends.base import PeerInfo
 from kvtransfer.layout import LayoutFingerprint
-from kvtransfer.messages import ImportFailed, KVHandle, PrefillRequest, PrefillResult, RejectReason
+from kvtransfer.messages import (
+    DecodeRequest,
+    ImportFailed,
+    KVHandle,
+    PrefillRequest,
+    PrefillResult,
+    RejectReason,
+    SequenceMoved,
+)
 from routing.openai import pipeline
 from routing.router.disaggregation import DisaggregationConfig, Placement, Where
 
@@ -356,3 +364,101 @@ async def test_a_request_that_ended_at_prefill_without_a_token_is_one_final_outp
     outs = await collect(pipeline.disaggregated(DeadEnd(), None, request([1, 2, 3]), pipeline.Timing()))
     assert len(outs) == 1 and outs[0].finished and outs[0].new_token_ids == []
     assert outs[0].finish_reason == FinishReason.GRAMMAR_DEAD_END and outs[0].num_output_tokens == 0
+
+
+class DrainingDecode:
+    """Two decode replicas: the first (`a`) drains after streaming `move_after` tokens
+    of the first request it gets and hands its sequence on (a real `Engine.move_out`, its blocks
+    under a lease); the second (`b`) imports a moved sequence by copying those blocks
+    and continues it. `fail_move_import`: the second's import of it fails instead."""
+
+    def __init__(self, a, b, move_after: int, fail_move_import: bool = False):
+        self.a, self.b, self.move_after, self.fail = a, b, move_after, fail_move_import
+        self.requests, self.leased = [], {}
+        self.generate = _Remote(lambda req: _Stream(self._run(req)))
+
+    def options(self, stream: bool):
+        return self
+
+    async def _run(self, req):
+        self.requests.append(req)
+        if isinstance(req, DecodeRequest) and req.resume is not None:
+            async for outs in self._continue(req):
+                yield outs
+            return
+        a = self.a
+        if isinstance(req, PrefillRequest):
+            a.add_request(list(req.prompt_token_ids), req.sampling, request_id=req.request_id)
+        else:
+            a.add_imported_request(req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, None)
+        sent = 0
+        if len(self.requests) > 1:  # drained once: later calls run to their end
+            self.move_after = 10**9
+        while sent < self.move_after or not a.move_out_ready(req.request_id):
+            if not a.has_unfinished():
+                return
+            outs = a.step()
+            sent += sum(len(o.new_token_ids) for o in outs)
+            yield outs
+        seq = a.move_out(req.request_id)
+        handle = _handle(req.request_id, seq.num_computed_tokens)
+        self.leased[handle.lease_id] = seq
+        assert [o.finish_reason for o in a.step()] == [FinishReason.MOVED]
+        yield SequenceMoved(DecodeRequest(req.request_id, tuple(seq.token_ids[:-1]), seq.token_ids[-1],
+                                          req.sampling, handle, resume=seq.resume), "decode#a")
+
+    async def _continue(self, req):
+        seq = self.leased.pop(req.kv_handle.lease_id)
+        if self.fail:
+            self.a.release_blocks(seq.block_ids)
+            raise ImportFailed(RejectReason.TRANSFER_FAILED, "the draining replica is gone")
+        b = self.b
+        blocks = b.reserve_import(req.kv_handle.num_tokens)
+        b.kv_cache.data[blocks] = self.a.kv_cache.data[seq.block_ids]
+        self.a.release_blocks(seq.block_ids)
+        b.add_imported_request(req.request_id, list(req.prompt_token_ids), req.first_token, req.sampling, blocks,
+                               resume=req.resume)
+        while b.has_unfinished():
+            yield b.step()
+
+
+def _move_out_ready(engine, request_id):
+    req = engine.scheduler.requests.get(request_id)
+    return req is not None and req.num_computed_tokens == req.num_tokens - 1
+
+
+@pytest.fixture
+def draining(make_engine):
+    def make(**kw):
+        a = make_engine()
+        a.move_out_ready = lambda rid: _move_out_ready(a, rid)
+        return DrainingDecode(a, make_engine(), **kw)
+    return make
+
+
+@pytest.mark.parametrize("where", ["remote", "local"])
+async def test_a_draining_decode_replica_hands_the_sequence_on_without_a_prefill(draining, make_engine, prompt,
+                                                                                 reference, where):
+    prefill, decode = FakePrefill(make_engine()), draining(move_after=7)
+    timing = pipeline.Timing()
+    placement = DisaggregationConfig(mode="auto", max_local_prompt_tokens=64 if where == "local" else 1)
+    outs = await collect(pipeline.disaggregated(prefill, decode, request(prompt), timing, placement=placement))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert (timing.moves, timing.migrations, timing.prefill_retries) == (1, 0, 0)
+    assert len(prefill.calls) == (0 if where == "local" else 1)  # nothing was prefilled again
+    moved = decode.requests[1]
+    assert moved.resume is not None and moved.request_id == "req"
+    last = outs[-1]
+    assert (last.request_id, last.num_output_tokens, last.finish_reason) == ("req", GREEDY.max_tokens,
+                                                                               FinishReason.LENGTH)
+    assert not decode.a.has_unfinished() and decode.a.block_pool.num_free_blocks == decode.a.block_pool.num_blocks
+
+
+async def test_a_moved_sequence_whose_kv_does_not_arrive_is_recomputed(draining, make_engine, prompt, reference):
+    prefill, decode = FakePrefill(make_engine()), draining(move_after=5, fail_move_import=True)
+    timing = pipeline.Timing()
+    outs = await collect(pipeline.disaggregated(prefill, decode, request(prompt), timing,
+                                                resilience=pipeline.Resilience(max_migrations=1)))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert (timing.moves, timing.migrations) == (1, 1)
+    assert prefill.calls[1][0] == "req.m1"  # recomputed from prompt + what was streamed
