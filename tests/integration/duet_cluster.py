@@ -551,7 +551,7 @@ def wait_baseline(duet: Duet, pool: str, timeout: float = 120) -> dict[str, dict
     """Every live replica of `pool` seen idle: nothing running or waiting, all KV blocks
     free, no lease. Stats calls land on a random replica; poll until each has answered."""
     keys = ("num_running", "num_waiting", "kv_blocks_free", "kv_blocks_total", "leases_active",
-            "import_blocks_held", "import_blocks_reclaimed", "leases_expired")
+            "import_blocks_held", "import_blocks_reclaimed", "leases_expired", "leases_granted")
     idle: dict[str, dict] = {}
     last: dict[str, dict] = {}
 

@@ -1,7 +1,8 @@
 """Lost and stopped replicas on a real cluster: a decode replica killed mid-stream does
 not end the client's stream (the request migrates and the greedy text is unchanged);
 requests sent right after a prefill replica is killed are served by the other one; a
-decode replica removed by a scale-down finishes its streams first (no migration)."""
+decode replica removed by a scale-down hands its streams on with their KV (moved, not
+migrated)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from duet_cluster import (
     kill_replica,
     live_replicas,
     serving_replica,
+    wait_baseline,
     wait_for,
     wait_idle,
     wait_replicas,
@@ -25,6 +27,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.cluster("resilient")]
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}], "max_tokens": 160,
         "temperature": 0, "ignore_eos": True, "stream": True}
+# Long enough to be decoding still when the resize it outlives starts.
+LONG_CHAT = {**CHAT, "max_tokens": 400}
 
 
 def _logged_migrations(request_ids: set[str]) -> list[str]:
@@ -42,10 +46,10 @@ def _logged_migrations(request_ids: set[str]) -> list[str]:
     return hits
 
 
-def _stream(duet, on_chunk=None) -> tuple[str, list[dict]]:
+def _stream(duet, on_chunk=None, chat: dict = CHAT) -> tuple[str, list[dict]]:
     """(text, events) of one streamed chat; `on_chunk(id, n_chunks)` after each content chunk."""
     text, events, n = "", [], 0
-    with httpx.stream("POST", f"{duet.url}/v1/chat/completions", json=CHAT, timeout=300) as r:
+    with httpx.stream("POST", f"{duet.url}/v1/chat/completions", json=chat, timeout=300) as r:
         assert r.status_code == 200
         for event in data_events(r):
             events.append(event)
@@ -95,19 +99,20 @@ def test_requests_right_after_a_prefill_replica_dies_are_served(duet):
     wait_idle(duet, timeout=60)
 
 
-def test_scaling_down_drains_the_replica_it_stops(deployer, duet):
+def test_scaling_down_moves_the_stopped_replicas_sequences_with_their_kv(deployer, duet):
     """Resizing a fixed pool is Serve's lightweight update (cluster/serve_config.py): the
-    removed replica drains, and no other replica is restarted."""
+    removed replica drains, hands its decoding sequence to the other replica with its
+    KV (no prefill, nothing recomputed, the greedy text unchanged), and no other
+    replica is restarted."""
     wait_replicas("decode", 2)
-    reference, _ = _stream(duet)
+    reference, _ = _stream(duet, chat=LONG_CHAT)
     before = {pool: live_replicas(pool) for pool in ("gateway", "prefill", "decode")}
+    granted = _prefill_leases_granted(duet)
     texts: dict[int, str] = {}
-    ids: dict[int, str] = {}
     started = [threading.Event(), threading.Event()]
 
     def client(i: int) -> None:
-        texts[i], events = _stream(duet, lambda rid, n: started[i].set())
-        ids[i] = events[0]["id"]
+        texts[i], _ = _stream(duet, lambda rid, n: started[i].set(), chat=LONG_CHAT)
 
     # One stream per decode replica: the router sends the second where nothing runs.
     threads = []
@@ -116,16 +121,25 @@ def test_scaling_down_drains_the_replica_it_stops(deployer, duet):
         threads[-1].start()
         assert started[i].wait(120)
     migrations = gateway_counter(duet, "duet_migrations_total")
+    moves = gateway_counter(duet, "duet_sequence_moves_total")
+    assert all(t.is_alive() for t in threads)  # both still decoding as the resize starts
     smaller = deployer("resilient", {"decode.replicas": 1})  # returns once one decode replica is left
     for t in threads:
         t.join(300)
     assert texts == {0: reference, 1: reference}
-    # Drained, not lost: the gateway migrated neither stream.
+    # Moved, not lost: one sequence moved, nothing migrated, nothing prefilled again.
+    assert gateway_counter(smaller, "duet_sequence_moves_total") == moves + 1
     assert gateway_counter(smaller, "duet_migrations_total") == migrations
-    assert not _logged_migrations(set(ids.values()))
+    assert _prefill_leases_granted(smaller) == granted + 2
     # Serve counts a replica stopped once it asked Ray to kill it; the actor may linger.
     wait_for(lambda: len(live_replicas("decode")) == 1, 30, what="one decode actor left")
     after = {pool: live_replicas(pool) for pool in ("gateway", "prefill", "decode")}
     assert after["gateway"] == before["gateway"] and after["prefill"] == before["prefill"]
     assert len(after["decode"]) == 1 and after["decode"] < before["decode"]
+    (survivor,) = wait_baseline(smaller, "decode").values()
+    assert survivor["import_blocks_held"] == 0 and survivor["leases_active"] == 0
     wait_idle(smaller, timeout=60)
+
+
+def _prefill_leases_granted(duet) -> int:
+    return sum(s["leases_granted"] for s in wait_baseline(duet, "prefill").values())
