@@ -31,6 +31,7 @@ BENCH_TARGETS: dict[str, str] = {
     "disaggregation": "bench.disaggregation",
     "choices": "bench.choices",
     "phases": "bench.phases",
+    "move": "bench.move",
 }
 
 
