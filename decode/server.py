@@ -73,6 +73,7 @@ class DecodeServer:
         self._moved: dict[str, MovedSequence] = {}  # leased on the engine thread, until its stream says so
         self._moves_out = 0
         self.drain = DrainWatch(self._on_drain)
+        self._moving: asyncio.Future | None = None
         self._closed = False
         log.info("decode replica %s ready (backend %s)", self.replica_id, self.backend.name)
 
@@ -91,16 +92,21 @@ class DecodeServer:
             "duet.resumed": isinstance(req, DecodeRequest) and req.resume is not None,
         })
         steps = self._generate_local(req) if isinstance(req, PrefillRequest) else self._generate(req, span)
-        async with contextlib.aclosing(self.telemetry.traced(span, steps)) as batches:
-            async for outs in batches:
-                if outs[-1].finish_reason is not FinishReason.MOVED:
-                    yield outs
-                    continue
-                if outs[:-1]:
-                    yield outs[:-1]
-                moved = self._hand_on(req)
-                tracing.set_attributes(span, {"duet.moved": True, "duet.lease_id": moved.request.kv_handle.lease_id})
-                yield moved
+        try:
+            async with contextlib.aclosing(self.telemetry.traced(span, steps)) as batches:
+                async for outs in batches:
+                    if outs[-1].finish_reason is not FinishReason.MOVED:
+                        yield outs
+                        continue
+                    if outs[:-1]:
+                        yield outs[:-1]
+                    moved = self._hand_on(req)
+                    tracing.set_attributes(span, {"duet.moved": True,
+                                                  "duet.lease_id": moved.request.kv_handle.lease_id})
+                    yield moved
+        finally:
+            if self._moved.pop(req.request_id, None) is not None:  # moved, but its caller left first
+                self.exporter.withdraw(req.request_id)
 
     async def _generate(self, req: DecodeRequest, span: tracing.Span) -> AsyncGenerator[list[RequestOutput], None]:
         started = time.monotonic()
@@ -153,7 +159,7 @@ class DecodeServer:
     def _on_drain(self) -> None:
         """Serve stopped routing here: hand every decoding sequence on (those still
         prefilling here finish here)."""
-        asyncio.ensure_future(self._move_all())
+        self._moving = asyncio.ensure_future(self._move_all())  # held: the loop keeps only weak references
 
     async def _move_all(self) -> None:
         ids = list(self.aengine.stats.request_ids)
@@ -171,7 +177,9 @@ class DecodeServer:
 
     def _hand_on(self, req: DecodeRequest | PrefillRequest) -> SequenceMoved:
         """The request that continues a sequence this replica moved out, its KV leased here."""
-        seq = self._moved.pop(req.request_id)
+        seq = self._moved.pop(req.request_id, None)
+        if seq is None:  # its lease could not be granted (logged where it failed)
+            raise RuntimeError(f"{req.request_id} left the engine to move, but holds no lease")
         self._moves_out += 1
         handle = self.exporter.handle_for(req.request_id, seq.num_computed_tokens)
         call = DecodeRequest(req.request_id, tuple(seq.token_ids[:-1]), seq.token_ids[-1], req.sampling, handle,
