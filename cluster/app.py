@@ -89,7 +89,11 @@ def router_configs(cfg: ClusterConfig) -> dict[str, RequestRouterConfig]:
     )
     decode = RequestRouterConfig(
         request_router_class="routing.router.serve_routers.KVAwareDecodeRouter",
-        request_router_kwargs={"config": config, "block_size": block_size},
+        request_router_kwargs={
+            "config": config,
+            "block_size": block_size,
+            "model_fingerprint": expected_model_fingerprint(cfg.engine),
+        },
         **common,
     )
     return {"prefill": prefill, "decode": decode}
@@ -143,7 +147,7 @@ def build_app(cfg: ClusterConfig):
         prefix_index=prefix_index.model_dump(),
     )
     decode = serve.deployment(DecodeServer).options(**decode_opts).bind(
-        **_pool_args(cfg, cfg.decode), transfer=cfg.transfer.model_dump()
+        **_pool_args(cfg, cfg.decode), transfer=cfg.transfer.model_dump(), prefix_index=prefix_index.model_dump()
     )
     return gateway.bind(**gateway_args, prefill=prefill, decode=decode,
                         disaggregation=cfg.router.disaggregation.model_dump(),

@@ -38,6 +38,8 @@ from engine.request import FinishReason, RequestOutput
 from kvtransfer.backends import backend_for
 from kvtransfer.config import TransferConfig
 from kvtransfer.drain import DrainWatch
+from kvtransfer.events.config import PrefixIndexConfig
+from kvtransfer.events.publisher import KVEventPublisher
 from kvtransfer.handoff import KVExporter, KVImporter
 from kvtransfer.messages import DecodeRequest, PrefillRequest, RoutingStats, SequenceMoved
 from kvtransfer.replica import node_ip, replica_id
@@ -56,10 +58,16 @@ class DecodeServer:
     a `TransferConfig`, `telemetry` a `TelemetryConfig`.
     """
 
-    def __init__(self, engine: dict, threads: int, transfer: dict, telemetry: dict | None = None):
+    def __init__(self, engine: dict, threads: int, transfer: dict, prefix_index: dict | None = None,
+                 telemetry: dict | None = None):
         self.transfer = TransferConfig.model_validate(transfer)
         self.replica_id = replica_id()
-        self.aengine = start_engine(EngineConfig.model_validate(engine), "decode", threads)
+        engine_cfg = EngineConfig.model_validate(engine)
+        self.aengine = start_engine(engine_cfg, "decode", threads, kv_events=True)
+        # What this replica caches (imported prompts, local prefills, generated tokens):
+        # the decode router and `router.disaggregation: auto` price a local prefill by it.
+        self.events = KVEventPublisher(PrefixIndexConfig.model_validate(prefix_index or {}).of_pool("decode"),
+                                       engine_cfg.block_size, self.replica_id, self.aengine.take_kv_events)
         self.backend = backend_for(self.transfer, self.replica_id, self.aengine.model_id, host=node_ip())
         self.backend.register(self.aengine.engine.kv_cache.data)  # before the engine serves anything
         self.telemetry = ReplicaTelemetry(telemetry, "decode", self.replica_id, self._metric_stats)
@@ -188,7 +196,9 @@ class DecodeServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by Serve every `router.stats_period_s` for the decode router."""
-        return RoutingStats.of_engine(self.aengine.stats).to_wire()
+        return RoutingStats.of_engine(
+            self.aengine.stats, model_fingerprint=self.aengine.model_fingerprint, kv_log=self.events.window()
+        ).to_wire()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by Serve every `metrics_interval_s` for the autoscaling policy."""
@@ -210,6 +220,7 @@ class DecodeServer:
             "transfer_blocks": m.blocks,
             **self.importer.stats_dict(),
             **self.exporter.stats(),
+            **self.events.stats(),
             "moves_out": self._moves_out,
             "draining": self.drain.draining,
         }
@@ -231,7 +242,8 @@ class DecodeServer:
         left = self.exporter.drain(self.exporter.lease_ttl_s + 1.0)
         if left:
             log.warning("decode replica stopping with %d leases still active", left)
-        for close in (self.telemetry.close, self.exporter.close, self.backend.close, self.aengine.shutdown):
+        for close in (self.telemetry.close, self.exporter.close, self.backend.close, self.aengine.shutdown,
+                      self.events.close):
             try:
                 close()
             except Exception:

@@ -46,8 +46,11 @@ class RequestFailed(RuntimeError):
 class AsyncEngine:
     """Owns the engine thread, the command queue and the per-request output queues."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, kv_events: bool = False):
+        """`kv_events`: keep the block pool's KV events for `take_kv_events` (a replica
+        that publishes them); otherwise they are dropped each step, not hoarded."""
         self.engine = engine
+        self.kv_events = kv_events
         self.stream_interval = engine.cfg.stream_interval
         self.block_size = engine.cfg.block_size
         self.num_kv_blocks = engine.block_pool.num_blocks
@@ -112,7 +115,7 @@ class AsyncEngine:
         for loop, items in deliveries.items():
             loop.call_soon_threadsafe(_deliver, items)
         events = self.engine.take_kv_events()
-        if events:
+        if events and self.kv_events:
             with self._events_lock:
                 self._events.extend(events)
         self.stats = self.engine.stats()
@@ -298,12 +301,13 @@ def _ends_stream(item: RequestOutput | BaseException) -> bool:
     return isinstance(item, BaseException) or item.error is not None or item.finished
 
 
-def start_engine(cfg: EngineConfig, role: Role, threads: int) -> AsyncEngine:
-    """A replica's engine on its own thread, warmed up: /ready means one request ran."""
+def start_engine(cfg: EngineConfig, role: Role, threads: int, kv_events: bool = False) -> AsyncEngine:
+    """A replica's engine on its own thread, warmed up: /ready means one request ran.
+    `kv_events`: the replica publishes its KV events (`AsyncEngine.take_kv_events`)."""
     # Ray starts actors with OMP_NUM_THREADS=1; the pool's setting decides instead.
     torch.set_num_threads(threads)
     engine = Engine(cfg, role=role)
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(engine, kv_events)
     aengine.submit(lambda: _warm_up(engine)).result()
     return aengine
 

@@ -51,7 +51,7 @@ class PrefillServer:
         transfer_cfg = TransferConfig.model_validate(transfer)
         tier_cfg = KVTierConfig.model_validate(cache)
         self.replica_id = replica_id()
-        self.aengine = start_engine(engine_cfg, "prefill", threads)
+        self.aengine = start_engine(engine_cfg, "prefill", threads, kv_events=True)
         eng = self.aengine.engine
         self.tier = None
         if tier_cfg.enabled:

@@ -1,5 +1,5 @@
 """Where a pool's KV events go and where routers read them (part of the cluster
-config's `router:` section; the prefill replicas publish, the routers consume)."""
+config's `router:` section; the pool replicas publish, the routers consume)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,11 @@ class PrefixIndexConfig(BaseModel):
         if not url.startswith(("redis://", "rediss://")):
             raise ValueError("must start with redis:// or rediss://")
         return url
+
+    def of_pool(self, pool: str) -> PrefixIndexConfig:
+        """The index of one pool's replicas: the prefill pool's under the configured key
+        prefix, the decode pool's beside it (its own keys: a prefill router that clears
+        replicas it does not know must not touch decode's)."""
+        if pool == "prefill":
+            return self
+        return self.model_copy(update={"index_key_prefix": f"{self.index_key_prefix}-{pool}"})

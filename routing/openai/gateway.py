@@ -55,6 +55,7 @@ from routing.openai.stream import (
     merge_choices,
     sse_error,
 )
+from routing.router import view as router_view
 from routing.router.disaggregation import DisaggregationConfig
 from telemetry import metrics, tracing
 from telemetry.config import TelemetryConfig
@@ -276,7 +277,7 @@ class Gateway:
             if self.aggregated is not None:
                 return pipeline.aggregated(self.aggregated, req)
             return pipeline.disaggregated(self.prefill, self.decode, req, record.timing, self.resilience,
-                                          self.placement, record.placed)
+                                          self.placement, record.placed, router_view.cluster_view)
 
         return choice(0) if call.n == 1 else pipeline.merged([choice(i) for i in range(call.n)])
 

@@ -39,7 +39,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -61,7 +61,7 @@ from kvtransfer.messages import (
     SequenceMoved,
 )
 from routing.openai.errors import deadline_exceeded
-from routing.router.disaggregation import DisaggregationConfig, Placement, Where, choose_placement
+from routing.router.disaggregation import ClusterView, DisaggregationConfig, Placement, Where, choose_placement
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +131,13 @@ class Outcome(StrEnum):
 async def disaggregated(
     prefill_handle, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience = Resilience(),
     placement: DisaggregationConfig = _ALWAYS, placed: Callable[[Placement], None] | None = None,
+    cluster_view: Callable[[PrefillRequest], Awaitable[ClusterView | None]] | None = None,
 ) -> AsyncIterator[list[RequestOutput]]:
     """The request's output batches across as many passes as replica losses need: each
     pass continues from every token the client has been sent (`req.session_id` is the
     prefill router's hint, `req.trace` the context both pools continue). Each pass is
-    placed by `placement`'s rule, and `placed` is told where."""
+    placed by `placement`'s rule (priced from `cluster_view`, what the routers know, under
+    `auto`), and `placed` is told where."""
     view = _ClientView(req.request_id, req.num_prompt_tokens)
     generated: list[int] = []  # every token streamed so far, across passes
     for hop in itertools.count():
@@ -148,7 +150,8 @@ async def disaggregated(
             req, request_id=req.request_id if hop == 0 else f"{req.request_id}.m{hop}",
             prompt_token_ids=req.prompt_token_ids + tuple(generated), sampling=remaining,
         )
-        decision = choose_placement(sub.num_prompt_tokens, placement)
+        seen = await _view(cluster_view, sub) if placement.mode == "auto" else None
+        decision = choose_placement(sub.num_prompt_tokens, placement, seen)
         if placed is not None:
             placed(decision)
         one: _Pass | _LocalPass
@@ -166,6 +169,20 @@ async def disaggregated(
                 yield outs
         if one.outcome is Outcome.DONE:
             return
+
+
+async def _view(view: Callable[[PrefillRequest], Awaitable[ClusterView | None]] | None,
+                req: PrefillRequest) -> ClusterView | None:
+    """What the routers know about `req`'s two places; None (the length rule decides)
+    when there is no view or reading it failed: a placement never fails a request."""
+    if view is None:
+        return None
+    try:
+        return await view(req)
+    except Exception:
+        log.warning("request %s: reading the routers' view failed; placing by prompt length", req.request_id,
+                    exc_info=True)
+        return None
 
 
 class _Decoding:

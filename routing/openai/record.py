@@ -130,7 +130,9 @@ class RequestRecord:
         """Where a pass of the request computes its prompt (routing/router/disaggregation.py)."""
         self._recorder.inc(metrics.PLACEMENTS, where=placement.where.value, reason=placement.reason)
         tracing.set_attributes(self.span, {"duet.disaggregation.where": placement.where.value,
-                                           "duet.disaggregation.reason": placement.reason})
+                                           "duet.disaggregation.reason": placement.reason,
+                                           "duet.disaggregation.local_ms": placement.local_ms,
+                                           "duet.disaggregation.remote_ms": placement.remote_ms})
 
     def batch(self, outs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -173,6 +173,26 @@ def choose_decode(
     return RoutingDecision(fits[i].replica_id, 0, costs[i], "sampled" if sampled else "kv", _candidates(fits, costs))
 
 
+def choose_local_decode(
+    snapshots: Sequence[ReplicaSnapshot],
+    matched: dict[str, int],
+    config: RouterConfig,
+    blocks_needed: int = 0,
+    rng: random.Random | None = None,
+) -> RoutingDecision:
+    """Pick the decode replica that prefills a prompt itself (`router.disaggregation`):
+    the one with room holding the longest prefix of it (`matched`: replica → leading
+    blocks, from the decode replicas' KV events), the cheaper by `decode_cost` among
+    equals (reason "prefix"); with no prefix anywhere, `choose_decode`."""
+    fits = [s for s in snapshots if s.free_kv_blocks >= blocks_needed and matched.get(s.replica_id, 0) > 0]
+    if not fits:
+        return choose_decode(snapshots, config, blocks_needed, rng)
+    best = min(fits, key=lambda s: (-matched[s.replica_id], decode_cost(s, config), s.replica_id))
+    costs = [decode_cost(s, config) for s in fits]
+    return RoutingDecision(best.replica_id, matched[best.replica_id], decode_cost(best, config), "prefix",
+                           _candidates(fits, costs))
+
+
 def _candidates(snapshots: Sequence[ReplicaSnapshot], costs: Sequence[float]) -> tuple[tuple[str, float], ...]:
     return tuple((s.replica_id, float(c)) for s, c in zip(snapshots, costs))
 

@@ -62,11 +62,20 @@ from typing import TypeVar
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from engine.hashing import block_hashes
+from kvtransfer.events.config import PrefixIndexConfig
 from kvtransfer.events.log import KVLogWindow, events_after
 from kvtransfer.events.prefix_index import PrefixIndex, make_prefix_index
 from kvtransfer.messages import DecodeRequest, PrefillRequest, RoutingStats
+from routing.router import view
 from routing.router.affinity import SessionAffinity
-from routing.router.policy import ReplicaSnapshot, RouterConfig, RoutingDecision, choose_decode, choose_prefill
+from routing.router.policy import (
+    ReplicaSnapshot,
+    RouterConfig,
+    RoutingDecision,
+    choose_decode,
+    choose_local_decode,
+    choose_prefill,
+)
 from telemetry import metrics, tracing
 
 log = logging.getLogger("ray.serve")
@@ -207,37 +216,28 @@ def _stats(replica: RunningReplica) -> RoutingStats:
     return RoutingStats.from_wire(replica.routing_stats)
 
 
-class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
-    """Owns one process's view of the prefill pool: prefix index, affinity, in-flight load."""
+class _IndexFollowing:
+    """The prefix index of one pool's replicas, kept from their KV events (a mixin over
+    `_LoadTracking` and RequestRouter): the replica set, the event-log cursors, and
+    removing a replica that left."""
 
-    pool = "prefill"
+    index_kind: str
+    index: PrefixIndex
+    block_size: int
+    model_fingerprint: str
 
-    def initialize_state(  # type: ignore[override]  # Serve passes request_router_kwargs as keywords
-        self, config: dict | None = None, block_size: int = 16, model_fingerprint: str = "", seed: int | None = None
-    ) -> None:
-        """`config` is a dumped `RouterConfig`; `block_size` and `model_fingerprint` are
-        the pool engine's, so the router hashes prompts as the replicas do."""
-        self.config = RouterConfig.model_validate(config or {})
+    def _init_index(self, config: PrefixIndexConfig, block_size: int, model_fingerprint: str) -> None:
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
-        self.index_kind = self.config.prefix_index
-        self.index: PrefixIndex = make_prefix_index(self.config)
-        self.affinity = SessionAffinity()
-        self._rng = random.Random(seed)
+        self.index_kind = config.prefix_index
+        self.index = make_prefix_index(config)
         self._cursors: dict[str, tuple[str, int]] = {}
         self._known: set[str] = set()
         self._synced_once = False
-        self._init_tracking()
-
-    # ------------------------------------------------------------ replica set and events
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        try:
-            self._sync(replicas)
-        except Exception:  # never break Serve's update path
-            log.exception("KV-aware router: syncing replicas failed")
+        self._running: list[RunningReplica] = []
 
     def _sync(self, replicas: list[RunningReplica]) -> None:
+        self._running = list(replicas)
         current = {replica_key(r.replica_id): r for r in replicas}
         gone = self._known - set(current)
         if self.index_kind == "redis" and not self._synced_once and current:
@@ -267,19 +267,58 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
             self.index.apply(key, events)
         self._cursors[key] = (window.epoch, window.end)
 
+    def remove_replica(self, key: str) -> None:
+        """A replica left the pool: forget its blocks, sessions and load."""
+        self.index.remove_replica(key)
+        self._cursors.pop(key, None)
+        self._known.discard(key)
+        self._on_removed(key)
+        log.info("KV-aware router: replica %s removed from the %s prefix index", key, getattr(self, "pool", "?"))
+
+    def _on_removed(self, key: str) -> None:
+        """What else the router forgets about a replica that left."""
+
+    async def _match(self, req: PrefillRequest) -> dict[str, int]:
+        """Replica → leading blocks of `req`'s prompt it holds (its salt's chain)."""
+        hashes = block_hashes(req.prompt_token_ids, self.block_size, self.model_fingerprint, req.cache_salt)
+        if self.index_kind == "redis":
+            return await asyncio.to_thread(self.index.match, hashes)
+        return self.index.match(hashes)
+
+
+class KVAwarePrefillRouter(_IndexFollowing, _LoadTracking, RequestRouter):
+    """Owns one process's view of the prefill pool: prefix index, affinity, in-flight load."""
+
+    pool = "prefill"
+
+    def initialize_state(  # type: ignore[override]  # Serve passes request_router_kwargs as keywords
+        self, config: dict | None = None, block_size: int = 16, model_fingerprint: str = "", seed: int | None = None
+    ) -> None:
+        """`config` is a dumped `RouterConfig`; `block_size` and `model_fingerprint` are
+        the pool engine's, so the router hashes prompts as the replicas do."""
+        self.config = RouterConfig.model_validate(config or {})
+        self._init_index(self.config.of_pool("prefill"), block_size, model_fingerprint)
+        self.affinity = SessionAffinity()
+        self._rng = random.Random(seed)
+        self._init_tracking()
+
+    # ------------------------------------------------------------ replica set and events
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        try:
+            self._sync(replicas)
+        except Exception:  # never break Serve's update path
+            log.exception("KV-aware router: syncing replicas failed")
+        view.register(self.pool, self)
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """A call found the replica dead before the controller said so: route around it now."""
         super().on_replica_actor_died(replica_id)
         self.remove_replica(replica_key(replica_id))
-        self._known.discard(replica_key(replica_id))
 
-    def remove_replica(self, key: str) -> None:
-        """A replica left the pool: forget its blocks, sessions and load."""
-        self.index.remove_replica(key)
+    def _on_removed(self, key: str) -> None:
         self.affinity.remove_replica(key)
-        self._cursors.pop(key, None)
         self._forget(key)
-        log.info("KV-aware router: replica %s removed from the prefix index", key)
 
     # ------------------------------------------------------------ the decision
     def _snapshot(self, key: str, r: RunningReplica) -> ReplicaSnapshot:
@@ -306,11 +345,7 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
         # Let completion callbacks already queued on this loop run first, so a request
         # that just finished is not counted as load.
         await asyncio.sleep(0)
-        hashes = block_hashes(prompt, self.block_size, self.model_fingerprint, req.cache_salt)
-        if self.index_kind == "redis":
-            matched = await asyncio.to_thread(self.index.match, hashes)
-        else:
-            matched = self.index.match(hashes)
+        matched = await self._match(req)
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         snapshots = [self._snapshot(k, r) for k, r in by_key.items()]
         decision = choose_prefill(
@@ -326,29 +361,70 @@ class KVAwarePrefillRouter(_LoadTracking, RequestRouter):
         rest.sort(key=lambda r: self._snapshot(replica_key(r.replica_id), r).queued_prefill_tokens)
         return [[by_key[decision.replica_id]], *([r] for r in rest)]
 
+    async def remote_view(self, req: PrefillRequest) -> tuple[int, int]:
+        """(least prompt tokens queued on a replica, longest prefix of `req` a replica
+        holds, in tokens): the prefill side of `router.disaggregation: auto`'s price."""
+        replicas = self._running
+        if not replicas:
+            return 0, 0
+        matched = await self._match(req)
+        queued = min(self._snapshot(replica_key(r.replica_id), r).queued_prefill_tokens for r in replicas)
+        return queued, max(matched.values(), default=0) * self.block_size
 
-class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
-    """Chooses a decode replica by free KV blocks and running sequences."""
+
+class KVAwareDecodeRouter(_IndexFollowing, _LoadTracking, RequestRouter):
+    """Chooses a decode replica by free KV blocks and running sequences; a prompt to
+    prefill there (`router.disaggregation`) goes to the one holding its longest prefix,
+    from the decode replicas' KV events."""
 
     pool = "decode"
 
     def initialize_state(  # type: ignore[override]  # Serve passes request_router_kwargs as keywords
-        self, config: dict | None = None, block_size: int = 16, seed: int | None = None
+        self, config: dict | None = None, block_size: int = 16, model_fingerprint: str = "", seed: int | None = None
     ) -> None:
         self.config = RouterConfig.model_validate(config or {})
-        self.block_size = block_size
+        self._init_index(self.config.of_pool("decode"), block_size, model_fingerprint)
         self._rng = random.Random(seed)
         self._init_tracking()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        current = {replica_key(r.replica_id) for r in replicas}
-        for key in set(self._inflight) - current:
-            self._forget(key)
+        try:
+            self._sync(replicas)
+        except Exception:  # never break Serve's update path
+            log.exception("KV-aware decode router: syncing replicas failed")
+        view.register(self.pool, self)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._forget(replica_key(replica_id))
+        self.remove_replica(replica_key(replica_id))
+
+    def _on_removed(self, key: str) -> None:
+        self._forget(key)
+
+    def _snapshots(self, replicas: list[RunningReplica]) -> list[ReplicaSnapshot]:
+        snapshots = []
+        for r in replicas:
+            key = replica_key(r.replica_id)
+            stats = _stats(r)
+            _, running = self._load(key, stats)
+            pending_blocks, _ = self._local(key)  # sent or about to be, maybe not yet imported
+            free = stats.kv_blocks_free if stats.kv_blocks_free is not None else 1 << 30  # unreported: free
+            snapshots.append(ReplicaSnapshot(
+                replica_id=key,
+                running_requests=running,
+                free_kv_blocks=max(0, free - pending_blocks),
+                total_kv_blocks=stats.kv_blocks_total,
+            ))
+        return snapshots
+
+    async def _decide(self, req: DecodeRequest | PrefillRequest,
+                      replicas: list[RunningReplica]) -> tuple[RoutingDecision, list[ReplicaSnapshot], int]:
+        need = -(-len(req.prompt_token_ids) // self.block_size) + 1
+        snapshots = self._snapshots(replicas)
+        if isinstance(req, PrefillRequest):
+            return choose_local_decode(snapshots, await self._match(req), self.config, need, self._rng), snapshots, need
+        return choose_decode(snapshots, self.config, need, self._rng), snapshots, need
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -361,28 +437,23 @@ class KVAwareDecodeRouter(_LoadTracking, RequestRouter):
         if req is None:
             return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
         started = time.monotonic()
-        need = -(-len(req.prompt_token_ids) // self.block_size) + 1
-        by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
-        snapshots = []
-        for key, r in by_key.items():
-            stats = _stats(r)
-            _, running = self._load(key, stats)
-            pending_blocks, _ = self._local(key)  # sent or about to be, maybe not yet imported
-            free = stats.kv_blocks_free if stats.kv_blocks_free is not None else 1 << 30  # unreported: free
-            snapshots.append(
-                ReplicaSnapshot(
-                    replica_id=key,
-                    running_requests=running,
-                    free_kv_blocks=max(0, free - pending_blocks),
-                    total_kv_blocks=stats.kv_blocks_total,
-                )
-            )
-        decision = choose_decode(snapshots, self.config, need, self._rng)
+        decision, _, need = await self._decide(req, candidate_replicas)
         self._observe(decision, req.trace, started)
         assert pending_request is not None  # it carried the message
         self._plan(pending_request, decision.replica_id, need)  # tracked in blocks here
+        by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
         return [[by_key[decision.replica_id]], *([r] for r in rest)]
+
+    async def local_view(self, req: PrefillRequest) -> tuple[int, int, bool] | None:
+        """(prefix of `req` held, in tokens; sequences running; whether it has room) of
+        the replica a local prefill of `req` would go to: the decode side of
+        `router.disaggregation: auto`'s price. None with no replica."""
+        if not self._running:
+            return None
+        decision, snapshots, need = await self._decide(req, self._running)
+        chosen = next(s for s in snapshots if s.replica_id == decision.replica_id)
+        return decision.cached_blocks * self.block_size, chosen.running_requests, chosen.free_kv_blocks >= need
 
 
 def _message(pr: PendingRequest | None, method: str, kind: type[_M]) -> _M | None:

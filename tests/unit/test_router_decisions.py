@@ -143,3 +143,50 @@ def test_the_decode_router_places_a_request_to_prefill_there_by_its_prompts_bloc
     ranked = asyncio.run(r.choose_replicas([tight, roomy], pr))
     assert ranked[0][0].replica_id.unique_id == "b"
     assert r._local("decode#b") == (9, 1)
+
+
+def decode_replica(name: str, **stats) -> SimpleNamespace:
+    rid = SimpleNamespace(deployment_id=SimpleNamespace(name="decode"), unique_id=name)
+    return SimpleNamespace(replica_id=rid, routing_stats=RoutingStats(kv_blocks_free=90, kv_blocks_total=100)
+                           .to_wire() | stats)
+
+
+def decode_router() -> KVAwareDecodeRouter:
+    r = object.__new__(KVAwareDecodeRouter)
+    r.initialize_state(block_size=BS, model_fingerprint=FP, seed=0)
+    return r
+
+
+def test_a_prompt_to_prefill_on_decode_goes_where_its_prefix_is():
+    """From the decode replicas' KV events: the replica holding a conversation's
+    earlier turns computes the next one (if it has room); a handoff's DecodeRequest is
+    placed by load alone."""
+    r = decode_router()
+    holder = decode_replica("a", kv_log=holding(PREFIX).window(), num_requests=4)
+    idle = decode_replica("b")
+    r._sync([holder, idle])
+    pr = pending(PREFIX + [3] * 20)
+    pr.metadata.call_method = "generate"
+    ranked = asyncio.run(r.choose_replicas([holder, idle], pr))
+    assert ranked[0][0].replica_id.unique_id == "a" and r.decisions["prefix"] == 1
+    assert asyncio.run(r.local_view(pr.args[0])) == (len(PREFIX), 4, True)
+    # A full holder is no place to compute it: the decode router's usual choice.
+    full = decode_replica("a", kv_log=holding(PREFIX).window(), kv_blocks_free=2)
+    r._sync([full, idle])
+    assert asyncio.run(r.local_view(pending(PREFIX + [4] * 20).args[0])) == (0, 0, True)
+
+
+def test_the_cluster_view_joins_both_routers():
+    from routing.router import view
+
+    async def run():
+        p, d = router(), decode_router()
+        p._sync([replica("p", queued_prefill_tokens=300), replica("q", queued_prefill_tokens=120)])
+        d._sync([decode_replica("a", kv_log=holding(PREFIX[:8 * BS]).window(), num_requests=2)])
+        view.register("prefill", p)
+        view.register("decode", d)
+        return await view.cluster_view(pending(PREFIX + [5] * 10).args[0])
+
+    v = asyncio.run(run())
+    assert (v.prefill_queued_tokens, v.prefill_cached_tokens) == (120, 0)
+    assert (v.decode_cached_tokens, v.decode_running, v.decode_fits) == (8 * BS, 2, True)

@@ -25,9 +25,10 @@ def _fake_replica(**extra) -> SimpleNamespace:
 
 
 def test_decode_reports_what_the_decode_router_reads():
-    stats = RoutingStats.from_wire(DecodeServer.record_routing_stats(_fake_replica()))
+    stats = RoutingStats.from_wire(
+        DecodeServer.record_routing_stats(_fake_replica(events=SimpleNamespace(window=lambda: None))))
     assert stats.num_requests == 3 and stats.request_ids == ("a", "b")
-    assert (stats.kv_blocks_free, stats.kv_blocks_total) == (10, 16)
+    assert (stats.kv_blocks_free, stats.kv_blocks_total, stats.model_fingerprint) == (10, 16, "fp")
 
 
 def test_prefill_reports_what_the_prefill_router_reads():

@@ -1,0 +1,70 @@
+"""What this process's routers know, for `router.disaggregation: auto`.
+
+The gateway's pipeline places each pass of a request before it calls either pool
+(routing/router/disaggregation.py). The numbers that price the two places live in the
+KV-aware routers Serve runs in the same process: the prefill pool's queues and prefix
+index, and the decode pool's batches, free blocks and prefix index (from the decode
+replicas' KV events). Each router registers itself here when Serve gives it its
+replicas; `cluster_view` asks both, each on its own event loop (Serve runs routers on
+a loop of their own), and returns None until both have registered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
+
+from kvtransfer.messages import PrefillRequest
+from routing.router.disaggregation import ClusterView
+
+T = TypeVar("T")
+
+
+class _PrefillSide(Protocol):
+    async def remote_view(self, req: PrefillRequest) -> tuple[int, int]: ...
+
+
+class _DecodeSide(Protocol):
+    async def local_view(self, req: PrefillRequest) -> tuple[int, int, bool] | None: ...
+
+
+_routers: dict[str, tuple[weakref.ref, asyncio.AbstractEventLoop]] = {}
+
+
+def register(pool: str, router: object) -> None:
+    """Called by a router on its own event loop, whenever its replicas change."""
+    _routers[pool] = (weakref.ref(router), asyncio.get_running_loop())
+
+
+def _router(pool: str) -> tuple[Any, asyncio.AbstractEventLoop] | None:
+    entry = _routers.get(pool)
+    if entry is None:
+        return None
+    router = entry[0]()
+    return None if router is None or entry[1].is_closed() else (router, entry[1])
+
+
+async def _on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` on `loop` (the router's), from this one."""
+    if loop is asyncio.get_running_loop():
+        return await coro
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+
+async def cluster_view(req: PrefillRequest) -> ClusterView | None:
+    """The prefill pool's least queue and longest prefix of `req`, and the decode
+    replica a local prefill would go to; None until both routers have replicas."""
+    prefill, decode = _router("prefill"), _router("decode")
+    if prefill is None or decode is None:
+        return None
+    p: _PrefillSide = prefill[0]
+    d: _DecodeSide = decode[0]
+    queued, prefill_cached = await _on(prefill[1], p.remote_view(req))
+    local = await _on(decode[1], d.local_view(req))
+    if local is None:
+        return None
+    decode_cached, running, fits = local
+    return ClusterView(prefill_queued_tokens=queued, prefill_cached_tokens=prefill_cached,
+                       decode_cached_tokens=decode_cached, decode_running=running, decode_fits=fits)
