@@ -169,6 +169,7 @@ class Gateway:
                 self.gateway_metrics.observe_pool(pool, stats)
         except Exception as e:
             log.warning("pool stats unavailable for /metrics: %s", e)
+        self.gateway_metrics.observe_routers()
         return PlainTextResponse(generate_latest(self.gateway_metrics.registry).decode())
 
     async def _pool_stats(self) -> dict[str, dict]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from routing.router import view
 from telemetry import metrics
 from telemetry.metrics import Recorder
 
@@ -29,6 +30,17 @@ class GatewayMetrics:
             "duet_pool_stat", "Pool replica statistics (see `stat`)", ["pool", "replica", "stat"],
             registry=self.registry,
         )
+        self.index_blocks = Gauge(
+            "duet_router_index_blocks", "Blocks in this gateway's in-process prefix index of the pool's replicas",
+            ["pool"], registry=self.registry,
+        )
+
+    def observe_routers(self) -> None:
+        """What this process's routers have of their replicas' KV events (at scrape time)."""
+        for pool in ("prefill", "decode"):
+            n = view.index_blocks(pool)
+            if n is not None:
+                self.index_blocks.labels(pool).set(n)
 
     def observe_pool(self, pool: str, stats: dict) -> None:
         replica = str(stats.get("replica_id", "?"))

@@ -68,3 +68,12 @@ async def cluster_view(req: PrefillRequest) -> ClusterView | None:
     decode_cached, running, fits = local
     return ClusterView(prefill_queued_tokens=queued, prefill_cached_tokens=prefill_cached,
                        decode_cached_tokens=decode_cached, decode_running=running, decode_fits=fits)
+
+
+def index_blocks(pool: str) -> int | None:
+    """Blocks in the in-process prefix index of this process's `pool` router (None: no
+    router yet, or its index is in Redis): how far its replicas' KV events got."""
+    found = _router(pool)
+    if found is None or getattr(found[0], "index_kind", None) != "memory":
+        return None
+    return found[0].index.num_blocks()
