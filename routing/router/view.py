@@ -34,8 +34,13 @@ _routers: dict[str, tuple[weakref.ref, asyncio.AbstractEventLoop]] = {}
 
 
 def register(pool: str, router: object) -> None:
-    """Called by a router on its own event loop, whenever its replicas change."""
-    _routers[pool] = (weakref.ref(router), asyncio.get_running_loop())
+    """Called by a router on its own event loop, whenever its replicas change (outside
+    a loop, e.g. a unit test feeding a router by hand, there is nothing to register)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    _routers[pool] = (weakref.ref(router), loop)
 
 
 def _router(pool: str) -> tuple[Any, asyncio.AbstractEventLoop] | None:
