@@ -51,11 +51,17 @@ def _router(pool: str) -> tuple[Any, asyncio.AbstractEventLoop] | None:
     return None if router is None or entry[1].is_closed() else (router, entry[1])
 
 
+# A router's loop answers in well under a millisecond; one that does not (stopped with
+# its handle) must not hold a request: past this the length rule decides.
+_VIEW_TIMEOUT_S = 1.0
+
+
 async def _on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
-    """Run `coro` on `loop` (the router's), from this one."""
+    """Run `coro` on `loop` (the router's), from this one, within `_VIEW_TIMEOUT_S`."""
     if loop is asyncio.get_running_loop():
-        return await coro
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+        return await asyncio.wait_for(coro, _VIEW_TIMEOUT_S)
+    return await asyncio.wait_for(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop)),
+                                  _VIEW_TIMEOUT_S)
 
 
 async def cluster_view(req: PrefillRequest) -> ClusterView | None:
