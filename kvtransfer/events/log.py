@@ -78,6 +78,11 @@ class KVEventLog:
     def num_cached(self) -> int:
         return len(self._cached)
 
+    @property
+    def end(self) -> int:
+        """The sequence number the next event gets (grows across compactions)."""
+        return self._base + len(self._events)
+
 
 def events_after(window: KVLogWindow, cursor: tuple[str, int] | None) -> tuple[list[KVEvent], bool]:
     """Events a router at `cursor` (epoch, next seq) has not applied yet, and whether

@@ -56,8 +56,10 @@ class KVEventPublisher:
         return self.log.window() if self.redis is None else None
 
     def stats(self) -> dict[str, int]:
+        self.drain()
         return {
             "kv_events_cached_blocks": self.log.num_cached,
+            "kv_events_seq": self.log.end,  # a router at this sequence number has every event so far
             "prefix_index_errors": self.redis.errors if self.redis is not None else 0,
         }
 

@@ -30,17 +30,17 @@ class GatewayMetrics:
             "duet_pool_stat", "Pool replica statistics (see `stat`)", ["pool", "replica", "stat"],
             registry=self.registry,
         )
-        self.index_blocks = Gauge(
-            "duet_router_index_blocks", "Blocks in this gateway's in-process prefix index of the pool's replicas",
-            ["pool"], registry=self.registry,
+        self.event_cursor = Gauge(
+            "duet_router_kv_events_seq",
+            "How far this gateway's router has applied each replica's KV event log (compare the replica's "
+            "kv_events_seq)", ["pool", "replica"], registry=self.registry,
         )
 
     def observe_routers(self) -> None:
         """What this process's routers have of their replicas' KV events (at scrape time)."""
         for pool in ("prefill", "decode"):
-            n = view.index_blocks(pool)
-            if n is not None:
-                self.index_blocks.labels(pool).set(n)
+            for replica, end in view.event_cursors(pool).items():
+                self.event_cursor.labels(pool, replica).set(end)
 
     def observe_pool(self, pool: str, stats: dict) -> None:
         replica = str(stats.get("replica_id", "?"))

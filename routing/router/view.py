@@ -81,10 +81,15 @@ async def cluster_view(req: PrefillRequest) -> ClusterView | None:
                        decode_cached_tokens=decode_cached, decode_running=running, decode_fits=fits)
 
 
-def index_blocks(pool: str) -> int | None:
-    """Blocks in the in-process prefix index of this process's `pool` router (None: no
-    router yet, or its index is in Redis): how far its replicas' KV events got."""
+def event_cursors(pool: str) -> dict[str, int]:
+    """Replica → the sequence number up to which this process's `pool` router has
+    applied the replica's KV event log (its in-process index; empty with Redis): how
+    far behind the replicas' `kv_events_seq` the routers are."""
     found = _router(pool)
     if found is None or getattr(found[0], "index_kind", None) != "memory":
-        return None
-    return found[0].index.num_blocks()
+        return {}
+    try:
+        cursors = dict(found[0]._cursors)  # written on the router's loop; a copy that races a write is retried
+    except RuntimeError:
+        return {}
+    return {key: end for key, (_, end) in cursors.items()}

@@ -36,12 +36,12 @@ NEXT = FIRST + prompt(30, 8804)
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[int, str]:
+def reference() -> dict[tuple[int, ...], str]:
     """The single-process fp32 engine's greedy text for each prompt."""
     torch.set_num_threads(1)  # the replicas use the other core
     engine = Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=256))
     sp = SamplingParams(max_tokens=FUZZ_MAX_TOKENS, temperature=0)
-    return {len(ids): engine.generate([ids], sp)[0].text for ids in (SHORT, LONG, FIRST, NEXT)}
+    return {tuple(ids): engine.generate([ids], sp)[0].text for ids in (SHORT, LONG, FIRST, NEXT)}
 
 
 @pytest.mark.parametrize("ids, where", [(SHORT, "local"), (LONG, "remote")], ids=["short", "long"])
@@ -51,7 +51,7 @@ def test_auto_places_each_prompt_and_both_are_exact(duet, reference, ids, where)
     placed0 = gateway_counter(duet, "duet_disaggregation_decisions_total", where=where)
     body = complete(duet, ids, max_tokens=FUZZ_MAX_TOKENS)
     p1, d1 = duet.stats("prefill"), duet.stats("decode")
-    assert body["choices"][0]["text"] == reference[len(ids)]
+    assert body["choices"][0]["text"] == reference[tuple(ids)]
     assert body["usage"]["completion_tokens"] == FUZZ_MAX_TOKENS
     granted, transfers = p1["leases_granted"] - p0["leases_granted"], d1["transfer_count"] - d0["transfer_count"]
     assert (granted, transfers) == ((0, 0) if where == "local" else (1, 1))
@@ -61,19 +61,28 @@ def test_auto_places_each_prompt_and_both_are_exact(duet, reference, ids, where)
 
 def test_a_conversation_goes_on_where_its_earlier_turn_is_cached(duet, reference):
     wait_idle(duet)
-    blocks = gateway_counter(duet, "duet_router_index_blocks", pool="decode")
     first = complete(duet, FIRST, max_tokens=FUZZ_MAX_TOKENS)
-    assert first["choices"][0]["text"] == reference[len(FIRST)]
-    # The decode replica's KV events reach the gateway's decode router with its stats.
+    assert first["choices"][0]["text"] == reference[tuple(FIRST)]
+    # The decode replica's KV events (the first turn's blocks among them) reach the
+    # gateway's decode router with its routing stats.
+    decode = duet.stats("decode")
+    wait_for(lambda: gateway_counter(duet, "duet_router_kv_events_seq", pool="decode",
+                                     replica=decode["replica_id"]) >= decode["kv_events_seq"], 30,
+             what="the gateway's decode router to apply the decode replica's KV events")
     held = len(FIRST) // BLOCK_SIZE
-    wait_for(lambda: gateway_counter(duet, "duet_router_index_blocks", pool="decode") >= blocks + held, 30,
-             what="the first turn's blocks in the gateway's decode prefix index")
     p0 = duet.stats("prefill")
     placed0 = gateway_counter(duet, "duet_disaggregation_decisions_total", where="local", reason="cheaper_local")
     body = complete(duet, NEXT, max_tokens=FUZZ_MAX_TOKENS)
-    assert body["choices"][0]["text"] == reference[len(NEXT)]
+    placed = {k: v for k, v in _placements(duet).items() if v}
+    assert gateway_counter(duet, "duet_disaggregation_decisions_total", where="local",
+                           reason="cheaper_local") == placed0 + 1, placed
+    assert body["choices"][0]["text"] == reference[tuple(NEXT)]
     assert cached_tokens(body) == held * BLOCK_SIZE  # the first turn's full blocks, from decode's cache
     assert duet.stats("prefill")["leases_granted"] == p0["leases_granted"]
-    assert gateway_counter(duet, "duet_disaggregation_decisions_total", where="local",
-                           reason="cheaper_local") == placed0 + 1
     wait_idle(duet)
+
+
+def _placements(duet) -> dict[tuple[str, str], float]:
+    return {(where, reason): gateway_counter(duet, "duet_disaggregation_decisions_total", where=where, reason=reason)
+            for where in ("local", "remote")
+            for reason in ("short_prompt", "long_prompt", "decode_full", "cheaper_local", "cheaper_remote")}
