@@ -55,7 +55,8 @@ class DecodeServer:
     of the sequences it hands on when it drains.
 
     Constructor arguments are dumped settings: `engine` an `EngineConfig`, `transfer`
-    a `TransferConfig`, `telemetry` a `TelemetryConfig`.
+    a `TransferConfig`, `prefix_index` a `PrefixIndexConfig` (where its KV events go),
+    `telemetry` a `TelemetryConfig`.
     """
 
     def __init__(self, engine: dict, threads: int, transfer: dict, prefix_index: dict | None = None,
