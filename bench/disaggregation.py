@@ -11,7 +11,8 @@ cores; against each, the same workloads at the same open-loop rates, driven by
 
 `always` is today's path (every prompt through the prefill pool), `never` prefills every
 prompt on the decode replica (aggregated routing of the same two replicas), and `auto`
-applies `max_local_prompt_tokens`. Each point reports goodput (requests/s meeting the
+prices each pass in both places (routing/router/disaggregation.py), computing at most
+`max_local_prompt_tokens` tokens locally. Each point reports goodput (requests/s meeting the
 TTFT and TPOT SLOs), TTFT and TPOT p50/p90 and output tokens/s; the table also gives
 auto's goodput against the better of the other two at each point.
 """
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply every rate (a slower or faster machine)")
     p.add_argument("--slo", nargs="+", default=["ttft:2000", "tpot:200"], metavar="KEY:MS",
                    help="goodput SLOs (the cluster config's default SLO)")
-    p.add_argument("--max-local-prompt-tokens", type=int, default=256, help="auto's threshold")
+    p.add_argument("--max-local-prompt-tokens", type=int, default=256, help="auto's local limit")
     p.add_argument("--port", type=int, default=8072)
     p.add_argument("--json", default="out/bench_disaggregation.json")
     a = p.parse_args(argv)
