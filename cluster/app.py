@@ -146,8 +146,10 @@ def build_app(cfg: ClusterConfig):
         cache=cfg.cache.model_dump(),
         prefix_index=prefix_index.model_dump(),
     )
+    # Decode's KV events serve only prompts prefilled on decode (router.disaggregation).
+    decode_events = prefix_index.model_dump() if cfg.router.disaggregation.mode != "always" else None
     decode = serve.deployment(DecodeServer).options(**decode_opts).bind(
-        **_pool_args(cfg, cfg.decode), transfer=cfg.transfer.model_dump(), prefix_index=prefix_index.model_dump()
+        **_pool_args(cfg, cfg.decode), transfer=cfg.transfer.model_dump(), prefix_index=decode_events
     )
     return gateway.bind(**gateway_args, prefill=prefill, decode=decode,
                         disaggregation=cfg.router.disaggregation.model_dump(),

@@ -55,8 +55,8 @@ class DecodeServer:
     of the sequences it hands on when it drains.
 
     Constructor arguments are dumped settings: `engine` an `EngineConfig`, `transfer`
-    a `TransferConfig`, `prefix_index` a `PrefixIndexConfig` (where its KV events go),
-    `telemetry` a `TelemetryConfig`.
+    a `TransferConfig`, `prefix_index` a `PrefixIndexConfig` (where its KV events go;
+    None: it publishes none), `telemetry` a `TelemetryConfig`.
     """
 
     def __init__(self, engine: dict, threads: int, transfer: dict, prefix_index: dict | None = None,
@@ -64,11 +64,14 @@ class DecodeServer:
         self.transfer = TransferConfig.model_validate(transfer)
         self.replica_id = replica_id()
         engine_cfg = EngineConfig.model_validate(engine)
-        self.aengine = start_engine(engine_cfg, "decode", threads, kv_events=True)
-        # What this replica caches (imported prompts, local prefills, generated tokens):
-        # the decode router and `router.disaggregation: auto` price a local prefill by it.
-        self.events = KVEventPublisher(PrefixIndexConfig.model_validate(prefix_index or {}).of_pool("decode"),
-                                       engine_cfg.block_size, self.replica_id, self.aengine.take_kv_events)
+        self.aengine = start_engine(engine_cfg, "decode", threads, kv_events=prefix_index is not None)
+        # What this replica caches (imported prompts, local prefills, generated tokens),
+        # published only when prompts may be prefilled here (`router.disaggregation` not
+        # `always`): the decode router places them by it and `auto` prices them with it.
+        # Every report carries the event log, so it is not sent for nothing.
+        self.events = None if prefix_index is None else KVEventPublisher(
+            PrefixIndexConfig.model_validate(prefix_index).of_pool("decode"), engine_cfg.block_size,
+            self.replica_id, self.aengine.take_kv_events)
         self.backend = backend_for(self.transfer, self.replica_id, self.aengine.model_id, host=node_ip())
         self.backend.register(self.aengine.engine.kv_cache.data)  # before the engine serves anything
         self.telemetry = ReplicaTelemetry(telemetry, "decode", self.replica_id, self._metric_stats)
@@ -198,7 +201,8 @@ class DecodeServer:
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by Serve every `router.stats_period_s` for the decode router."""
         return RoutingStats.of_engine(
-            self.aengine.stats, model_fingerprint=self.aengine.model_fingerprint, kv_log=self.events.window()
+            self.aengine.stats, model_fingerprint=self.aengine.model_fingerprint,
+            kv_log=self.events.window() if self.events is not None else None,
         ).to_wire()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -221,7 +225,7 @@ class DecodeServer:
             "transfer_blocks": m.blocks,
             **self.importer.stats_dict(),
             **self.exporter.stats(),
-            **self.events.stats(),
+            **(self.events.stats() if self.events is not None else {}),
             "moves_out": self._moves_out,
             "draining": self.drain.draining,
         }
@@ -243,8 +247,10 @@ class DecodeServer:
         left = self.exporter.drain(self.exporter.lease_ttl_s + 1.0)
         if left:
             log.warning("decode replica stopping with %d leases still active", left)
-        for close in (self.telemetry.close, self.exporter.close, self.backend.close, self.aengine.shutdown,
-                      self.events.close):
+        steps = [self.telemetry.close, self.exporter.close, self.backend.close, self.aengine.shutdown]
+        if self.events is not None:
+            steps.append(self.events.close)
+        for close in steps:
             try:
                 close()
             except Exception:
