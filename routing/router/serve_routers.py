@@ -221,6 +221,7 @@ class _IndexFollowing:
     `_LoadTracking` and RequestRouter): the replica set, the event-log cursors, and
     removing a replica that left."""
 
+    pool: str
     index_kind: str
     index: PrefixIndex
     block_size: int
@@ -235,6 +236,19 @@ class _IndexFollowing:
         self._known: set[str] = set()
         self._synced_once = False
         self._running: list[RunningReplica] = []
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)  # type: ignore[misc]  # RequestRouter's, after this mixin
+        try:
+            self._sync(replicas)
+        except Exception:  # never break Serve's update path
+            log.exception("KV-aware %s router: syncing replicas failed", self.pool)
+        view.register(self.pool, self)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """A call found the replica dead before the controller said so: route around it now."""
+        super().on_replica_actor_died(replica_id)  # type: ignore[misc]
+        self.remove_replica(replica_key(replica_id))
 
     def _sync(self, replicas: list[RunningReplica]) -> None:
         self._running = list(replicas)
@@ -273,7 +287,7 @@ class _IndexFollowing:
         self._cursors.pop(key, None)
         self._known.discard(key)
         self._on_removed(key)
-        log.info("KV-aware router: replica %s removed from the %s prefix index", key, getattr(self, "pool", "?"))
+        log.info("KV-aware router: replica %s removed from the %s prefix index", key, self.pool)
 
     def _on_removed(self, key: str) -> None:
         """What else the router forgets about a replica that left."""
@@ -301,20 +315,6 @@ class KVAwarePrefillRouter(_IndexFollowing, _LoadTracking, RequestRouter):
         self.affinity = SessionAffinity()
         self._rng = random.Random(seed)
         self._init_tracking()
-
-    # ------------------------------------------------------------ replica set and events
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        try:
-            self._sync(replicas)
-        except Exception:  # never break Serve's update path
-            log.exception("KV-aware router: syncing replicas failed")
-        view.register(self.pool, self)
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        """A call found the replica dead before the controller said so: route around it now."""
-        super().on_replica_actor_died(replica_id)
-        self.remove_replica(replica_key(replica_id))
 
     def _on_removed(self, key: str) -> None:
         self.affinity.remove_replica(key)
@@ -386,18 +386,6 @@ class KVAwareDecodeRouter(_IndexFollowing, _LoadTracking, RequestRouter):
         self._init_index(self.config.of_pool("decode"), block_size, model_fingerprint)
         self._rng = random.Random(seed)
         self._init_tracking()
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        try:
-            self._sync(replicas)
-        except Exception:  # never break Serve's update path
-            log.exception("KV-aware decode router: syncing replicas failed")
-        view.register(self.pool, self)
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self.remove_replica(replica_key(replica_id))
 
     def _on_removed(self, key: str) -> None:
         self._forget(key)
