@@ -10,6 +10,8 @@ redeploy costs model loads.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from duet_cluster import (
     CLUSTERS,
@@ -35,6 +37,36 @@ def _cluster_name(item) -> str | None:
     return m.args[0] if m else None
 
 
+# Where the session's time goes, per cluster config (its tests' setup, call and
+# teardown, its deploys included), printed at the end: the suite's budget is spent here.
+_SECONDS: dict[str, float] = {}
+_TESTS: dict[str, int] = {}
+_DEPLOYERS: list[Deployer] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    started = time.monotonic()
+    yield
+    name = _cluster_name(item) or "(none)"
+    _SECONDS[name] = _SECONDS.get(name, 0.0) + time.monotonic() - started
+    _TESTS[name] = _TESTS.get(name, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _SECONDS:
+        return
+    deploys: dict[str, list[float]] = {}
+    for deployer in _DEPLOYERS:
+        for name, seconds in deployer.deploys:
+            deploys.setdefault(name, []).append(seconds)
+    terminalreporter.section("seconds per cluster config")
+    terminalreporter.line(f"{'config':<14}{'tests':>6}{'total s':>9}{'deploys s':>11}")
+    for name, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1]):
+        spent = " + ".join(f"{d:.0f}" for d in deploys.get(name, [])) or "-"
+        terminalreporter.line(f"{name:<14}{_TESTS[name]:>6}{seconds:>9.0f}{spent:>11}")
+
+
 def pytest_collection_modifyitems(session, config, items):
     order = {name: i for i, name in enumerate(CLUSTERS)}
     # Stable: tests without a cluster first, then grouped by config, file order kept.
@@ -52,7 +84,9 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def deployer(ray_cluster) -> Deployer:
-    return Deployer()
+    deployer = Deployer()
+    _DEPLOYERS.append(deployer)
+    return deployer
 
 
 @pytest.fixture(scope="session")

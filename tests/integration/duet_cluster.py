@@ -258,6 +258,8 @@ class Deployer:
     def __init__(self) -> None:
         self.current: Duet | None = None
         self._deployed_at: float | None = None
+        # (config name, seconds) per deploy or resize, for the session's time report.
+        self.deploys: list[tuple[str, float]] = []
 
     def __call__(self, name: str, overrides: dict | None = None) -> Duet:
         cfg = cluster_config(name, overrides)
@@ -266,6 +268,7 @@ class Deployer:
         from cluster.serve_cli import wait_ready
         from cluster.serve_config import deploy, without_fixed_sizes
 
+        started = time.monotonic()
         resize_only = (self.current is not None and self._untouched()
                        and without_fixed_sizes(self.current.cfg) == without_fixed_sizes(cfg))
         if self.current is not None:
@@ -281,6 +284,7 @@ class Deployer:
         self.wait_settled(duet)
         self._deployed_at = _app_details()["last_deployed_time_s"]
         self.current = duet
+        self.deploys.append((name, time.monotonic() - started))
         return duet
 
     def _untouched(self) -> bool:
@@ -329,12 +333,33 @@ def shut_down(handles: list) -> None:
         log.warning("handle shutdown still waiting after 10 s; dropped")
 
 
-def fresh_handle(deployment: str):
+def fresh_handle(deployment: str, attempts: int = 3, timeout_s: float = 10.0):
     """A handle with its own new request router (`serve.get_deployment_handle` returns
-    the client's cached handle, whose router may have seen other tests' requests)."""
+    the client's cached handle, whose router may have seen other tests' requests),
+    returned once that router has its deployment's config and so can place a call.
+
+    Why wait, and why a new handle if it never comes: a new router learns the config
+    from a long poll of its own, which Serve stops as soon as the process's shared long
+    poll delivers anything for the deployment. When the shared one delivers the replica
+    set first, the own poll's answer is dropped, and the shared one (already past that
+    config's version) never sends it: the router can never build its request router
+    and holds every call (Ray 2.60 `AsyncioRouter`, `LongPollClient.stop`). Rare, and a
+    new handle is a new race."""
     from ray.serve.handle import DeploymentHandle
 
-    return DeploymentHandle(deployment, APP_NAME)
+    for _ in range(attempts):
+        handle = DeploymentHandle(deployment, APP_NAME)
+        handle._init()
+        configured = handle._router._asyncio_router._request_router_initialized
+        try:
+            wait_for(configured.is_set, timeout_s, interval=0.05,
+                     what=f"a new {deployment} handle's router to get its config")
+            return handle
+        except AssertionError:
+            log.warning("a new %s handle's router never got its config: %s; trying a new one",
+                        deployment, describe_router(handle))
+            shut_down([handle])
+    raise AssertionError(f"{attempts} new {deployment} handles never got their deployment's config")
 
 
 def describe_router(handle) -> str:
