@@ -102,6 +102,7 @@ class Result:
     error: str | None = None
     text: str = ""
     completion_tokens: int | None = None
+    started_s: float = 0.0  # since the run began
     seconds: float = 0.0
     matches_reference: bool | None = None
     response_id: str | None = None
@@ -196,7 +197,7 @@ class ChaosSoak:
             nonlocal finished
             while not queue.empty():
                 r = queue.get_nowait()
-                await self._send(self.cases[r.case], r, r.seed)
+                await self._send(self.cases[r.case], r, r.seed, start)
                 finished += 1
                 fire_due()
 
@@ -224,9 +225,10 @@ class ChaosSoak:
         rec.seconds = round(time.monotonic() - t0, 2)
         records.append(rec)
 
-    async def _send(self, case: Case, r: Result, seed: int | None) -> None:
+    async def _send(self, case: Case, r: Result, seed: int | None, start: float | None = None) -> None:
         body = case.body(r.stream, 0.0 if r.greedy else 0.8, seed)
         t0 = time.monotonic()
+        r.started_s = round(t0 - (start or t0), 3)
         try:
             if r.stream:
                 work = self._stream(body, r)
