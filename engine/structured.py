@@ -18,7 +18,6 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
 import llguidance
-import llguidance.hf
 import torch
 
 from engine.sampling_params import InvalidRequest
@@ -145,7 +144,12 @@ class Grammars:
         """A matcher for `spec` that has consumed its prefix and `output_token_ids` (a
         request taken over)."""
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
+            # Here, not at the top: llguidance.hf imports transformers (~0.8 s of CPU),
+            # which a process that never compiles a grammar (Serve's app build, the
+            # unit tests) need not pay.
+            from llguidance.hf import from_tokenizer
+
+            self._tokenizer = from_tokenizer(self._hf, n_vocab=self.vocab_size)
         m = llguidance.LLMatcher(self._tokenizer, spec.grammar())
         if m.is_error():
             raise InvalidRequest(spec.param, m.get_error())

@@ -103,9 +103,9 @@ def test_scaling_down_moves_the_stopped_replicas_sequences_with_their_kv(deploye
     """Resizing a fixed pool is Serve's lightweight update (cluster/serve_config.py): the
     removed replica drains, hands its decoding sequence to the other replica with its
     KV (no prefill, nothing recomputed, the greedy text unchanged), and no other
-    replica is restarted."""
+    replica is restarted. The two streams are the same greedy request and only one of
+    them moves: the other, decoded where it started, is the reference."""
     wait_replicas("decode", 2)
-    reference, _ = _stream(duet, chat=LONG_CHAT)
     before = {pool: live_replicas(pool) for pool in ("gateway", "prefill", "decode")}
     granted = _prefill_leases_granted(duet)
     texts: dict[int, str] = {}
@@ -126,7 +126,7 @@ def test_scaling_down_moves_the_stopped_replicas_sequences_with_their_kv(deploye
     smaller = deployer("resilient", {"decode.replicas": 1})  # returns once one decode replica is left
     for t in threads:
         t.join(300)
-    assert texts == {0: reference, 1: reference}
+    assert len(texts) == 2 and texts[0] == texts[1] and len(texts[0]) > 0
     # Moved, not lost: one sequence moved, nothing migrated, nothing prefilled again.
     assert gateway_counter(smaller, "duet_sequence_moves_total") == moves + 1
     assert gateway_counter(smaller, "duet_migrations_total") == migrations
