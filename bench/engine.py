@@ -27,6 +27,7 @@ from bench.machine_ceilings import measure
 from cluster.cli import add_engine_args
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.quant import packs_weights
 from engine.sampling_params import SamplingParams
 
 
@@ -82,11 +83,13 @@ def run(
     threads: int | None = None,
     weight_quant: str = "none",
     decode_attention: str = "auto",
+    packed_weights: str = "auto",
 ) -> dict:
     if threads:
         torch.set_num_threads(threads)
     engine = Engine(EngineConfig(dtype=dtype, device=device, max_num_batched_tokens=max(prefill_len, 2048),
-                                 weight_quant=weight_quant, decode_attention=decode_attention))
+                                 weight_quant=weight_quant, decode_attention=decode_attention,
+                                 packed_weights=packed_weights))
     hf = _load_hf(engine) if with_hf else None
     dtype_name = str(engine.dtype).removeprefix("torch.")
     ceilings: dict[str, float] = {}
@@ -157,6 +160,7 @@ def run(
         "dtype": dtype_name,
         "weight_quant": weight_quant,
         "decode_attention": "native" if engine.runner.decode_kernel is not None else "torch",
+        "packed_weights": packs_weights(packed_weights, engine.device, engine.dtype, weight_quant),
         "ceilings": measured.as_dict() if measured else None,
         "repeats": repeats,
         "points": [asdict(p) for p in points],
@@ -166,6 +170,7 @@ def run(
 def print_table(result: dict) -> None:
     print(f"\nmodel {result['model']}  dtype {result['dtype']}  weights {result.get('weight_quant', 'none')}  "
           f"decode attention {result.get('decode_attention', 'torch')}  "
+          f"packed weights {result.get('packed_weights', False)}  "
           f"device {result['machine']['device']}  threads {result['machine']['threads']}  "
           f"(median of {result['repeats']})")
     c = result.get("ceilings")
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype, device=args.device, prompt_len=args.prompt_len, output_len=args.output_len,
         batches=tuple(args.batches), prefill_len=args.prefill_len, repeats=args.repeats,
         with_hf=not args.no_hf, threads=args.threads, weight_quant=args.weight_quant,
-        decode_attention=args.decode_attention,
+        decode_attention=args.decode_attention, packed_weights=args.packed_weights,
     )
     print_table(result)
     if args.json:

@@ -32,6 +32,7 @@ BENCH_TARGETS: dict[str, str] = {
     "choices": "bench.choices",
     "phases": "bench.phases",
     "move": "bench.move",
+    "packing": "bench.packing",
 }
 
 
@@ -44,6 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-quant", default="none", choices=["none", "int8"], help="int8: weight-only int8 (CPU)")
     p.add_argument("--decode-attention", default="auto", choices=["auto", "native", "torch"],
                    help="native: the C++ paged decode kernel (CPU); torch: gather, then matmuls")
+    p.add_argument("--packed-weights", default="auto", choices=["auto", "on", "off"],
+                   help="fp32 CPU weights also pre-packed for oneDNN, used by multi-row products")
 
 
 def cmd_generate(args) -> int:
@@ -61,7 +64,8 @@ def cmd_generate(args) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                     weight_quant=args.weight_quant, decode_attention=args.decode_attention))
+                                     weight_quant=args.weight_quant, decode_attention=args.decode_attention,
+                                     packed_weights=args.packed_weights))
         prompt = args.prompt
         if not args.raw:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

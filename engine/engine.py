@@ -27,7 +27,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEvent
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
-from engine.quant import activation_dtype
+from engine.quant import activation_dtype, packs_weights
 from engine.request import FinishReason, Request, RequestMetrics, RequestOutput, RequestStatus, ResumeState
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequest, SamplingParams
@@ -103,7 +103,8 @@ class Engine:
 
         if model is None:
             model_cfg, state = load_checkpoint(self.checkpoint, self.dtype)
-            model = LlamaModel(model_cfg, state, self.dtype, self.device, cfg.weight_quant)
+            packed = packs_weights(cfg.packed_weights, self.device, self.dtype, cfg.weight_quant)
+            model = LlamaModel(model_cfg, state, self.dtype, self.device, cfg.weight_quant, packed)
         model_cfg = model.cfg
         self.dtype, self.device = model.dtype, model.device
         if cfg.max_model_len > model_cfg.max_position_embeddings:

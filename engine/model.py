@@ -5,7 +5,8 @@ Weights arrive in HF naming from `weights.py`. Q/K/V and gate/up are fused into
 one matmul each: on a CPU the fixed cost per op matters as much as the FLOPs.
 Linear weights are stored transposed, `[in, out]`, and applied as `x @ w`: MKL's
 fp32 GEMM runs up to 2x faster with a non-transposed B on the decode shapes
-(docs/benchmarks.md).
+(docs/benchmarks.md). On a CPU in fp32 each also gets a copy pre-packed for oneDNN,
+which products of several rows use (engine/quant.py `PackedWeight`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.quant import WeightQuant, matmul, maybe_quantize
+from engine.quant import Linear, PackedWeight, WeightQuant, matmul, maybe_quantize
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,7 +56,7 @@ class LlamaModel:
     """Owns the weights (fused, in the engine's dtype and device) and runs one step."""
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str,
-                 weight_quant: WeightQuant = "none"):
+                 weight_quant: WeightQuant = "none", packed_weights: bool = False):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -63,9 +64,11 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             return state.pop(name).to(device=device, dtype=dtype).contiguous()
 
-        def take_t(*names: str):  # fused along `out`, stored [in, out] (or int8, see engine/quant.py)
-            w = torch.cat([state.pop(n) for n in names]).to(device=device, dtype=dtype).t().contiguous()
-            return maybe_quantize(w, weight_quant, dtype)
+        def linear(w_in_out: torch.Tensor) -> Linear:  # as is, int8 or packed: engine/quant.py
+            return PackedWeight.pack(w_in_out) if packed_weights else maybe_quantize(w_in_out, weight_quant, dtype)
+
+        def take_t(*names: str) -> Linear:  # fused along `out`, stored [in, out]
+            return linear(torch.cat([state.pop(n) for n in names]).to(device=device, dtype=dtype).t().contiguous())
 
         self.embed = take("model.embed_tokens.weight")
         self.layers = []
@@ -83,7 +86,7 @@ class LlamaModel:
             )
         self.norm = take("model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-            self.lm_head = maybe_quantize(self.embed.t().contiguous(), weight_quant, dtype)  # a transposed copy
+            self.lm_head = linear(self.embed.t().contiguous())  # a transposed copy
         else:
             self.lm_head = take_t("lm_head.weight")
         # cos/sin for every position, computed once (fp32 math, as HF, then cast).

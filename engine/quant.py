@@ -61,7 +61,42 @@ class Int8Weight:
         return (self.qweight.float() * self.scales.float()[:, None]).t().to(self.scales.dtype)
 
 
-Linear = torch.Tensor | Int8Weight
+@dataclass(frozen=True)
+class PackedWeight:
+    """A dense `[in, out]` CPU weight with oneDNN's pre-packed copy of it.
+
+    With a few rows (a decode batch) and weights far larger than the caches, MKL's
+    fp32 GEMM on the plain weight measured up to 2x slower than oneDNN's linear on a
+    weight packed once, at load (oneDNN's blocked layout). One-row products (decode at
+    batch 1: a matrix-vector product, bound by reading the weight once) keep the plain
+    copy, where MKL is at its fastest, and so do long prefill chunks, where the two
+    are within a few percent (`PACKED_MAX_ROWS`; docs/benchmarks.md, packed weights)."""
+
+    dense: torch.Tensor  # [in, out]
+    packed: torch.Tensor  # oneDNN's blocked layout of the [out, in] weight
+
+    @classmethod
+    def pack(cls, w_in_out: torch.Tensor) -> PackedWeight:
+        return cls(w_in_out, torch.ops.mkldnn._reorder_linear_weight(w_in_out.t().contiguous(), None))
+
+
+Linear = torch.Tensor | Int8Weight | PackedWeight
+
+# Row counts whose products use the packed copy. Measured on the model's own shapes,
+# fp32, one thread, weights out of cache (AVX2): one row 43 ms plain against 52
+# packed for all 30 layers and the head; 8 rows 120 against 73; 32 rows 178 against
+# 149; 256 rows 874 against 900 (docs/benchmarks.md).
+PACKED_MAX_ROWS = 128
+
+
+def packs_weights(setting: str, device: str, dtype: torch.dtype, quant: WeightQuant) -> bool:
+    """Whether an engine packs its dense weights for oneDNN: `auto` where it measured
+    faster (fp32 on a CPU whose PyTorch has oneDNN); `on` there only, else an error."""
+    supported = device == "cpu" and dtype == torch.float32 and quant == "none" and torch.backends.mkldnn.is_available()
+    if setting == "on" and not supported:
+        raise ConfigError("packed_weights", "packed weights need float32 dense weights on a CPU with oneDNN, "
+                                            f"not {dtype} on {device} (weight_quant {quant})")
+    return supported and setting != "off"
 
 
 # Above this many rows (a prefill chunk) the int8 kernel loses to dequantizing into
@@ -79,6 +114,12 @@ def matmul(x: torch.Tensor, w: Linear) -> torch.Tensor:
             return torch.nn.functional.linear(x, w.qweight.to(x.dtype) * w.scales[:, None])
         lead = x.shape[:-1]
         out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), w.qweight, w.scales)
+        return out.reshape(*lead, out.shape[-1])
+    if isinstance(w, PackedWeight):
+        if not 1 < x.numel() // x.shape[-1] <= PACKED_MAX_ROWS:
+            return x @ w.dense
+        lead = x.shape[:-1]
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w.packed, None, "none", [], "")
         return out.reshape(*lead, out.shape[-1])
     return x @ w
 
