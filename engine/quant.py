@@ -11,6 +11,10 @@ The embedded checkpoint's weights are already 4-bit GGUF dequantized, so a
 symmetric per-channel int8 copy (127 levels per sign) adds little error on top:
 tests/unit/test_quant.py holds the engine to the fp32 path within a stated
 tolerance.
+
+The other form a linear weight takes here is `PackedWeight`: a dense fp32 weight with
+a copy pre-packed for oneDNN, which decode batches use on the CPU
+(`engine.packed_weights`).
 """
 
 from __future__ import annotations
