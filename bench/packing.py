@@ -50,7 +50,7 @@ def _plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _packed(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     # The packed copy at every row count (engine/quant.py `matmul` sends one row and
     # long chunks to the plain one: this table is why).
-    return torch.ops.mkldnn._linear_pointwise(x, w.packed, None, "none", [], "")
+    return w.packed_product(x)
 
 
 def run(model: str, threads: int, rows: list[int], repeats: int) -> dict:

@@ -83,6 +83,10 @@ class PackedWeight:
     def pack(cls, w_in_out: torch.Tensor) -> PackedWeight:
         return cls(w_in_out, torch.ops.mkldnn._reorder_linear_weight(w_in_out.t().contiguous(), None))
 
+    def packed_product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ w` for 2-D `x` through the packed copy, whatever its row count."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
 
 Linear = torch.Tensor | Int8Weight | PackedWeight
 
@@ -123,7 +127,7 @@ def matmul(x: torch.Tensor, w: Linear) -> torch.Tensor:
         if not 1 < x.numel() // x.shape[-1] <= PACKED_MAX_ROWS:
             return x @ w.dense
         lead = x.shape[:-1]
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w.packed, None, "none", [], "")
+        out = w.packed_product(x.reshape(-1, x.shape[-1]))
         return out.reshape(*lead, out.shape[-1])
     return x @ w
 
