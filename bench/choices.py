@@ -20,15 +20,14 @@ first and of the last choice, and the time until every choice has finished. Medi
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -96,7 +95,5 @@ def main(argv: list[str] | None = None) -> int:
     out = {"machine": {"cpu": platform.processor() or platform.machine(), "cpu_flags": cpu_flags(),
                        "threads": a.threads, "torch": torch.__version__},
            "config": vars(a), "rows": rows, "runs": runs}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {a.json}")
+    write_json(a.json, out)
     return 0

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -21,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.json_output import write_json
 from bench.loadgen_subprocess import run_loadgen, summarize
 from cluster import serve_cli
 from cluster.config import load_config
@@ -149,7 +149,5 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 print(f"{backend:8s}{r['prompt_tokens']:7d}{r['bytes_per_request'] / 1e6:8.2f}{r['transfer_ms']:9.2f}"
                       f"{(r['gb_s'] or 0):7.2f}{r['ttft_p50_ms']:9.1f}{(r['share_of_ttft'] or 0):7.1%}")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.json}")
+    write_json(a.json, result)
     return 0

@@ -20,13 +20,13 @@ auto's goodput against the better of the other two at each point.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import tempfile
 from pathlib import Path
 
 import torch
 
+from bench.json_output import write_json
 from bench.loadgen_subprocess import run_loadgen
 from bench.machine_ceilings import cpu_flags
 from cluster import serve_cli
@@ -124,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         result["modes"][mode] = serve_mode(mode, a.workloads, rates, a.num_prompts, a.slo,
                                            a.max_local_prompt_tokens, a.port)
     print(table(result))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.json}")
+    write_json(a.json, result)
     return 0
 
 

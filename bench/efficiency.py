@@ -28,7 +28,6 @@ served from an earlier point's prefix cache.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
@@ -38,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.json_output import write_json
 from bench.loadgen_subprocess import run_loadgen, summarize
 from bench.machine_ceilings import cpu_flags, measure
 from cluster import serve_cli
@@ -189,7 +189,5 @@ def main(argv: list[str] | None = None) -> int:
         result[mode] = served(mode, points, seeds, a.input_len, a.output_len, a.served_threads, a.dtype, a.port,
                               a.stream_interval)
     print(table(result))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.json}")
+    write_json(a.json, result)
     return 0

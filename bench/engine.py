@@ -14,15 +14,14 @@ and GEMM speed on the model's own shapes set, measured in the same run
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
+from bench.json_output import write_json
 from bench.machine_ceilings import measure
 from cluster.cli import add_engine_args
 from engine.config import EngineConfig
@@ -213,7 +212,5 @@ def main(argv: list[str] | None = None) -> int:
     )
     print_table(result)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     return 0

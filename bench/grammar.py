@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags
 
 BATCH = 32
@@ -419,6 +420,5 @@ def main(argv: list[str] | None = None) -> int:
           f"document tokens: {report['doc_tokens']}")
     print(table(report))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     return 0

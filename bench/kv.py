@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from bench.json_output import write_json
 from kvtransfer.backends import KVTransferBackend, PeerInfo, make_backend
 from kvtransfer.peer_process import KVSpec, PrefillPeer
 
@@ -176,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "host": {"machine": platform.machine(), "cpus": torch.get_num_threads(), "torch": torch.__version__},
         "results": [asdict(r) for r in results],
     }
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.json, report)
     return 0
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags
 from cluster import serve_cli
 from cluster.config import ClusterConfig, load_config
@@ -159,6 +160,5 @@ def main(argv: list[str] | None = None) -> int:
               "config": {"prefill": 1, "decode": 2, "backend": cfg.transfer.backend, "event_after": a.event_after,
                          "after_event": a.after_event, "repeats": a.repeats},
               "rows": rows}
-    a.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.out}")
+    write_json(a.out, result)
     return 0

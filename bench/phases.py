@@ -19,10 +19,10 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 
+from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags
 from cluster import serve_cli
 from cluster.config import load_config
@@ -168,7 +168,5 @@ def main(argv: list[str] | None = None) -> int:
               "load": {"prompt_words": a.prompt_words, "output_len": a.output_len, "concurrency": 1, "stream": True},
               "rounds": a.rounds, "summary": summary,
               "runs": {m: [{str(w): rows for w, rows in rnd.items()} for rnd in rounds] for m, rounds in runs.items()}}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.json}")
+    write_json(a.json, result)
     return 0

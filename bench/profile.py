@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 
 from bench.engine import bench_prompts
+from bench.json_output import write_json
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         result = {"dtype": args.dtype, "threads": args.threads, "decode_attention": backend,
                   "prompt_len": args.prompt_len, "rows": rows}
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     return 0
 
 

@@ -27,15 +27,14 @@ acceptance figures.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
-from pathlib import Path
 
 import torch
 
 from bench.closed_loop import closed_loop
+from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -147,7 +146,5 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
                           "torch": torch.__version__, "threads": a.threads, "dtype": str(off.dtype)},
               "speculative": on.cfg.speculative.model_dump(), "rows": rows, "runs": runs}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(report, indent=2))
-    print(f"wrote {a.json}")
+    write_json(a.json, report)
     return 0 if all(row["identical"] is not False for row in rows) else 1

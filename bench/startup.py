@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 
+from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags
 from engine.model_cache import CACHE_ENV
 
@@ -76,7 +77,5 @@ def main(argv: list[str] | None = None) -> int:
         "medians": medians,
         "runs": runs,
     }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
     return 0

@@ -31,11 +31,11 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from bench.closed_loop import closed_loop
+from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -153,7 +153,5 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
                           "torch": torch.__version__, "threads": a.threads, "dtype": str(engine.dtype)},
               "rows": rows, "compile": compile_ms, "runs": {str(c): pts for c, pts in runs.items()}}
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(report, indent=2))
-    print(f"wrote {a.json}")
+    write_json(a.json, report)
     return 0

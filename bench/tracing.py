@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.json_output import write_json
 from bench.loadgen_subprocess import run_loadgen, summarize
 from bench.machine_ceilings import cpu_flags
 from cluster import serve_cli
@@ -125,7 +126,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s['concurrency']:4d}{s['off']['output_tok_s']:11.1f}{s['on']['output_tok_s']:10.1f}"
               f"{s['tok_s_change']:8.1%}{s['off']['ttft_p50_ms']:10.0f}{s['on']['ttft_p50_ms']:9.0f}{s['ttft_change']:8.1%}")
     print(f"spans exported per traced round: {spans_per_round}")
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.json}")
+    write_json(a.json, result)
     return 0
