@@ -7,7 +7,10 @@ speed the same machine gives in isolation. Two speeds are measured:
 - memory read bandwidth: a reduction over a buffer far larger than the caches;
 - GEMM speed on the model's own matmuls (`x @ w` with `w` stored `[in, out]`, as
   engine/model.py does: fused QKV, output, fused gate-up, down, and the LM head),
-  with as many rows as the step has tokens.
+  with as many rows as the step has tokens; for fp32 on a CPU with oneDNN, the
+  faster of that and oneDNN's product on the pre-packed weight (engine/quant.py
+  `PackedWeight`), which beats MKL on a few rows: a ceiling the engine can pass
+  bounds nothing.
 
 A point's ceiling is then a roofline: one step cannot be faster than reading every
 weight once (the weight bytes over the bandwidth) or than its matmul FLOPs at the
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine import config as engine_config
+from engine.quant import PackedWeight
 
 # The flags that decide which kernels oneDNN/MKL can use for fp32 and bf16.
 FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
@@ -63,14 +67,21 @@ def read_gbps(repeats: int = 5) -> float:
     return _READ_BYTES / seconds / 1e9
 
 
+def _packable(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
 def gemm_gflops(shapes: list[tuple[int, int, int]], rows: int, dtype: torch.dtype, repeats: int = 5) -> float:
     """FLOP/s of one pass over every distinct shape, weighted by how often the model
-    runs it (a shape's time × its count)."""
+    runs it (a shape's time × its count); per shape, the faster weight form."""
     flops = seconds = 0.0
     for k, n, count in shapes:
         x = torch.randn(rows, k).to(dtype)
         w = torch.randn(k, n).to(dtype)
         s = _median_seconds(lambda x=x, w=w: x @ w, repeats)
+        if _packable(dtype):
+            packed = PackedWeight.pack(w)
+            s = min(s, _median_seconds(lambda x=x, p=packed: p.packed_product(x), repeats))
         flops += 2.0 * rows * k * n * count
         seconds += s * count
     return flops / seconds / 1e9

@@ -14,13 +14,12 @@ Each figure is the best of `--repeats` passes over all the products, in ms per s
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
-from pathlib import Path
 
 import torch
 
+from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags, matmul_shapes
 from engine.quant import PackedWeight
 from engine.weights import load_checkpoint, resolve_checkpoint
@@ -48,8 +47,8 @@ def _plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _packed(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    # The packed copy at every row count (engine/quant.py `matmul` sends one row and
-    # long chunks to the plain one: this table is why).
+    # The packed copy at every row count (on one thread, engine/quant.py keeps the plain
+    # copy for one row and long chunks: this table is why).
     return w.packed_product(x)
 
 
@@ -58,7 +57,7 @@ def run(model: str, threads: int, rows: list[int], repeats: int) -> dict:
     torch.manual_seed(0)
     shapes = _shapes(model)
     plain = [torch.randn(i, o) * 0.02 for i, o in shapes]
-    packed = [PackedWeight.pack(w) for w in plain]
+    packed = [PackedWeight.pack(w, keep_dense=False) for w in plain]
     points = [{"rows": n, "plain_ms": round(_step_ms(_plain, plain, shapes, n, repeats), 1),
                "packed_ms": round(_step_ms(_packed, packed, shapes, n, repeats), 1)} for n in rows]
     return {"bench": "packing", "model": model, "threads": threads, "repeats": repeats,
@@ -82,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     for pt in result["points"]:
         print(f"{pt['rows']:>5} {pt['plain_ms']:>12.1f} {pt['packed_ms']:>16.1f}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     return 0
 
 

@@ -112,10 +112,12 @@ class EngineConfig(BaseModel):
     # "int8": linear weights as int8 with per-channel scales (engine/quant.py), CPU
     # only. Batch-1 decode reads half of bf16's bytes; outputs differ slightly.
     weight_quant: Literal["none", "int8"] = "none"
-    # Dense fp32 linear weights on a CPU, also pre-packed for oneDNN: products of
-    # several rows (decode batches, prefill) use that copy, one-row ones the plain
-    # weight (engine/quant.py `PackedWeight`). Costs a second copy of the linear
-    # weights in memory. "auto": on for float32 on a CPU whose PyTorch has oneDNN.
+    # Dense fp32 linear weights on a CPU, pre-packed for oneDNN at load: products of
+    # several rows (decode batches, prefill) use that copy. On one thread the plain
+    # weight is kept too (one-row products run faster on it), a second copy of the
+    # linear weights in memory; on two threads or more the packed copy alone does
+    # every product (engine/quant.py `PackedWeight`). "auto": on for float32 on a CPU
+    # whose PyTorch has oneDNN.
     packed_weights: Literal["auto", "on", "off"] = "auto"
     # Decode attention on the CPU: "native" reads the paged KV cache in place with a
     # C++ kernel built for this CPU on first use (engine/cpu_kernels.py); "torch"

@@ -5,8 +5,9 @@ Weights arrive in HF naming from `weights.py`. Q/K/V and gate/up are fused into
 one matmul each: on a CPU the fixed cost per op matters as much as the FLOPs.
 Linear weights are stored transposed, `[in, out]`, and applied as `x @ w`: MKL's
 fp32 GEMM runs up to 2x faster with a non-transposed B on the decode shapes
-(docs/benchmarks.md). On a CPU in fp32 each also gets a copy pre-packed for oneDNN,
-which products of several rows use (engine/quant.py `PackedWeight`).
+(docs/benchmarks.md). On a CPU in fp32 each is also pre-packed for oneDNN, which
+products of several rows use, and on two threads or more all of them
+(engine/quant.py `PackedWeight`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.quant import Linear, PackedWeight, WeightQuant, matmul, maybe_quantize
+from engine.quant import Linear, PackedWeight, WeightQuant, keeps_dense_copy, matmul, maybe_quantize
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,8 +65,13 @@ class LlamaModel:
         def take(name: str) -> torch.Tensor:
             return state.pop(name).to(device=device, dtype=dtype).contiguous()
 
+        # The products run on torch's intra-op threads, set before the model loads.
+        keep_dense = keeps_dense_copy(torch.get_num_threads())
+
         def linear(w_in_out: torch.Tensor) -> Linear:  # as is, int8 or packed: engine/quant.py
-            return PackedWeight.pack(w_in_out) if packed_weights else maybe_quantize(w_in_out, weight_quant, dtype)
+            if packed_weights:
+                return PackedWeight.pack(w_in_out, keep_dense)
+            return maybe_quantize(w_in_out, weight_quant, dtype)
 
         def take_t(*names: str) -> Linear:  # fused along `out`, stored [in, out]
             return linear(torch.cat([state.pop(n) for n in names]).to(device=device, dtype=dtype).t().contiguous())

@@ -12,9 +12,8 @@ symmetric per-channel int8 copy (127 levels per sign) adds little error on top:
 tests/unit/test_quant.py holds the engine to the fp32 path within a stated
 tolerance.
 
-The other form a linear weight takes here is `PackedWeight`: a dense fp32 weight with
-a copy pre-packed for oneDNN, which decode batches use on the CPU
-(`engine.packed_weights`).
+The other form a linear weight takes here is `PackedWeight`: an fp32 weight
+pre-packed for oneDNN, which decode batches use on the CPU (`engine.packed_weights`).
 """
 
 from __future__ import annotations
@@ -67,33 +66,55 @@ class Int8Weight:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A dense `[in, out]` CPU weight with oneDNN's pre-packed copy of it.
+    """An fp32 CPU weight pre-packed for oneDNN (its blocked layout), with the plain
+    `[in, out]` copy kept only where some products run faster on it.
 
     With a few rows (a decode batch) and weights far larger than the caches, MKL's
-    fp32 GEMM on the plain weight measured up to 2x slower than oneDNN's linear on a
-    weight packed once, at load (oneDNN's blocked layout). One-row products (decode at
-    batch 1: a matrix-vector product, bound by reading the weight once) keep the plain
-    copy, where MKL is at its fastest, and so do long prefill chunks, where the two
-    are within a few percent (`PACKED_MAX_ROWS`; docs/benchmarks.md, packed weights)."""
+    fp32 GEMM on the plain weight measured up to 2.7x slower than oneDNN's linear on a
+    weight packed once, at load. On one thread, one-row products (decode at batch 1:
+    a matrix-vector product, bound by reading the weight once) are faster on the plain
+    copy, so it is kept and used for them and for long prefill chunks
+    (`PACKED_MAX_ROWS`). On two threads or more the packed product was as fast or
+    faster at every row count measured, so the plain copy is dropped, and with it the
+    packing's memory cost (docs/benchmarks.md, packed weights)."""
 
-    dense: torch.Tensor  # [in, out]
     packed: torch.Tensor  # oneDNN's blocked layout of the [out, in] weight
+    dense: torch.Tensor | None  # [in, out]; None: every product takes the packed copy
 
     @classmethod
-    def pack(cls, w_in_out: torch.Tensor) -> PackedWeight:
-        return cls(w_in_out, torch.ops.mkldnn._reorder_linear_weight(w_in_out.t().contiguous(), None))
+    def pack(cls, w_in_out: torch.Tensor, keep_dense: bool = True) -> PackedWeight:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w_in_out.t().contiguous(), None)
+        return cls(packed, w_in_out if keep_dense else None)
 
     def packed_product(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ w` for 2-D `x` through the packed copy, whatever its row count."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ w` on whichever copy is faster for `x`'s row count."""
+        if self.dense is not None and not 1 < x.numel() // x.shape[-1] <= PACKED_MAX_ROWS:
+            return x @ self.dense
+        lead = x.shape[:-1]
+        out = self.packed_product(x.reshape(-1, x.shape[-1]))
+        return out.reshape(*lead, out.shape[-1])
+
+
+def keeps_dense_copy(threads: int) -> bool:
+    """Whether packed weights keep their plain copy: on one thread only. The model's
+    products per step, weights out of cache, ms, plain against packed: one thread, one
+    row 36-44 against 45-50 (AVX-512), 43 against 52 (AVX2); two threads, one row 33
+    against 28 (AVX-512), 32 against 29 (AVX2), 256 rows 577 against 364 (AVX-512),
+    507 against 465 (AVX2)."""
+    return threads < 2
+
 
 Linear = torch.Tensor | Int8Weight | PackedWeight
 
-# Row counts whose products use the packed copy. Measured on the model's own shapes,
-# fp32, one thread, weights out of cache (AVX2): one row 43 ms plain against 52
-# packed for all 30 layers and the head; 8 rows 120 against 73; 32 rows 178 against
-# 149; 256 rows 874 against 900 (docs/benchmarks.md).
+# With the plain copy kept (one thread), the row counts whose products use the packed
+# one. Measured on the model's own shapes, fp32, one thread, weights out of cache:
+# one row 43 ms plain against 52 packed for all 30 layers and the head (AVX2); 8 rows
+# 120 against 73; 32 rows 178 against 149; 256 rows 874 against 900 on AVX2, 915
+# against 700 on AVX-512 (docs/benchmarks.md).
 PACKED_MAX_ROWS = 128
 
 
@@ -116,7 +137,7 @@ INT8_KERNEL_MAX_ROWS = 64
 
 
 def matmul(x: torch.Tensor, w: Linear) -> torch.Tensor:
-    """`x @ w` for a dense `[in, out]` weight or its int8 form."""
+    """`x @ w` for a dense `[in, out]` weight, its int8 form or its packed one."""
     if isinstance(w, Int8Weight):
         if x.numel() // x.shape[-1] > INT8_KERNEL_MAX_ROWS:  # weights as [out, in]: F.linear's layout
             return torch.nn.functional.linear(x, w.qweight.to(x.dtype) * w.scales[:, None])
@@ -124,11 +145,7 @@ def matmul(x: torch.Tensor, w: Linear) -> torch.Tensor:
         out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), w.qweight, w.scales)
         return out.reshape(*lead, out.shape[-1])
     if isinstance(w, PackedWeight):
-        if not 1 < x.numel() // x.shape[-1] <= PACKED_MAX_ROWS:
-            return x @ w.dense
-        lead = x.shape[:-1]
-        out = w.packed_product(x.reshape(-1, x.shape[-1]))
-        return out.reshape(*lead, out.shape[-1])
+        return w.product(x)
     return x @ w
 
 

@@ -9,20 +9,28 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.engine import Engine
-from engine.quant import PackedWeight, matmul, packs_weights
+from engine.quant import PackedWeight, keeps_dense_copy, matmul, packs_weights
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("rows", [(1,), (3,), (2, 8), (64,), (200,)])  # 1 and 200 rows: the plain copy
-def test_a_packed_weight_multiplies_like_the_plain_one(rows):
+@pytest.mark.parametrize("keep_dense", [True, False])
+@pytest.mark.parametrize("rows", [(1,), (3,), (2, 8), (64,), (200,)])  # 1 and 200 rows: the plain copy, if kept
+def test_a_packed_weight_multiplies_like_the_plain_one(rows, keep_dense):
     torch.manual_seed(0)
     w = torch.randn(576, 960)  # [in, out]
     x = torch.randn(*rows, 576)
-    got = matmul(x, PackedWeight.pack(w))
+    packed = PackedWeight.pack(w, keep_dense)
+    assert (packed.dense is not None) == keep_dense
+    got = matmul(x, packed)
     assert got.shape == (*rows, 960) and got.dtype == torch.float32
     torch.testing.assert_close(got, x @ w, rtol=1e-5, atol=1e-4)
+
+
+def test_the_plain_copy_is_kept_on_one_thread_only():
+    assert keeps_dense_copy(1)
+    assert not keeps_dense_copy(2) and not keeps_dense_copy(8)
 
 
 def test_auto_packs_fp32_on_the_cpu_only_and_on_elsewhere_is_an_error():
@@ -37,11 +45,32 @@ def test_auto_packs_fp32_on_the_cpu_only_and_on_elsewhere_is_an_error():
         packs_weights("on", "cuda", torch.float32, "none")
 
 
-def test_an_engine_with_packed_weights_generates_what_one_without_does(base_engine):
-    """base_engine packs (fp32 on the CPU, `auto`); this one does not. Batched decode
-    and prefill go through the packed copy, batch-1 steps through the plain one."""
-    plain = Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, packed_weights="off"))
-    assert isinstance(base_engine.model.lm_head, PackedWeight)
+@pytest.fixture(scope="module")
+def plain_engine() -> Engine:
+    return Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, packed_weights="off"))
+
+
+@pytest.fixture(scope="module")
+def two_thread_engine() -> Engine:
+    """Loaded as on two threads (the packed copy only, for every product), then run on
+    the suite's one thread (tests/unit/conftest.py says why): the products are the same."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = Engine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=64, packed_weights="on"))
+    finally:
+        torch.set_num_threads(threads)
+    return engine
+
+
+@pytest.mark.parametrize("packed", ["base_engine", "two_thread_engine"])
+def test_an_engine_with_packed_weights_generates_what_one_without_does(packed, plain_engine, request):
+    """base_engine packs (fp32 on the CPU, `auto`) on one thread, keeping the plain copy
+    for batch-1 steps; two_thread_engine keeps only the packed copy. The engine that
+    does not pack generates the same tokens and scores."""
+    packed_engine, plain = request.getfixturevalue(packed), plain_engine
+    assert isinstance(packed_engine.model.lm_head, PackedWeight)
+    assert (packed_engine.model.lm_head.dense is None) == (packed == "two_thread_engine")
     assert isinstance(plain.model.lm_head, torch.Tensor)
     prompts = [plain.tokenizer.encode(t) for t in ("The capital of France is", "Bees make honey by",
                                                      "Once upon a time, a fox", "Count to five: one,")]
@@ -55,6 +84,6 @@ def test_an_engine_with_packed_weights_generates_what_one_without_does(base_engi
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
         return [out[i] for i in ids]
 
-    assert generate(base_engine) == generate(plain)
+    assert generate(packed_engine) == generate(plain)
     text = plain.tokenizer.encode("The history of the Roman Empire spans many centuries.")
-    torch.testing.assert_close(base_engine.score(text), plain.score(text), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(packed_engine.score(text), plain.score(text), rtol=1e-4, atol=1e-3)
