@@ -33,7 +33,8 @@ from autoscaling.config import BudgetConfig, CapacityProfile, PoolAutoscaling, S
 from autoscaling.policy import GoodputPolicy, PoolPolicy, PoolState
 from autoscaling.signals import DecodeSignals, GatewaySignals, LoadSnapshot, PrefillSignals, ReplicaReport
 from loadgen.distributions import LengthDist
-from loadgen.simulator import DecodeModel, LocalPrefill, PrefillModel
+from loadgen.simulator import DecodeModel, LocalPrefill, PrefillModel, view_of
+from routing.router.disaggregation import ClusterView
 
 
 @dataclass
@@ -165,7 +166,7 @@ class ClusterSim:
                             int(self.output_len.sample(rng, 1)[0]))
                 requests.append(r)
                 self.gateway.arrived(r.prompt)
-                if self.local_prefill is not None and self.local_prefill.is_local(r.prompt):
+                if self.local_prefill is not None and self.local_prefill.is_local(r.prompt, self._view()):
                     r.prompt_left = r.prompt
                     self._route_decode(r)
                 else:
@@ -214,6 +215,17 @@ class ClusterSim:
 
     def _ready(self, pool: str) -> list[Replica]:
         return [r for r in self.replicas[pool] if not r.draining and r.ready_at <= self.now]
+
+    def _view(self) -> ClusterView | None:
+        """What the router would see now: the least prefill backlog, and the decode
+        replica a local prefill would join (None while a pool has no ready replica)."""
+        prefills, decodes = self._ready("prefill"), self._ready("decode")
+        if not prefills or not decodes:
+            return None
+        backlog = min(sum(q.prompt for q in r.queue if q.prefill_start is None)
+                      + max(0.0, r.busy_until - self.now) / self.prefill.b_s_per_token for r in prefills)
+        d = min(decodes, key=lambda r: len(r.running) + len(r.queue))
+        return view_of(backlog, len(d.running), len(d.running) + len(d.queue) < self.decode.max_batch)
 
     # ------------------------------------------------------------ prefill
     def _route_prefill(self, req: Request) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -133,17 +132,16 @@ def add_disaggregation_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--disaggregation", choices=("always", "never", "auto"), default="always",
                     help="the cluster's router.disaggregation mode: where prompts are prefilled")
     ap.add_argument("--max-local-prompt-tokens", type=int, default=256,
-                    help="auto: prompts this long or shorter are prefilled on decode")
+                    help="auto: the longest prompt ever prefilled on decode (below it, auto prices "
+                         "both places from the simulated pools, as the router does)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512,
                     help="the decode engine's token budget per step (engine.max_num_batched_tokens)")
 
 
 def local_prefill(args: argparse.Namespace) -> LocalPrefill | None:
-    """The simulator's model of `--disaggregation` (None: `always`)."""
-    if args.disaggregation == "always":
-        return None
-    limit = math.inf if args.disaggregation == "never" else args.max_local_prompt_tokens
-    return LocalPrefill(limit, args.max_num_batched_tokens)
+    """The simulator's model of `--disaggregation` (None: `always`), priced by the
+    router's default knobs (`router.disaggregation` in the cluster config)."""
+    return LocalPrefill.of_mode(args.disaggregation, args.max_local_prompt_tokens, args.max_num_batched_tokens)
 
 
 def plan_main(argv: list[str]) -> int:
@@ -163,7 +161,7 @@ def plan_main(argv: list[str]) -> int:
           f"(max batch {decode.max_batch})")
     if plan.local_prefill is not None:
         which = "every prompt" if args.disaggregation == "never" else \
-            f"prompts of <= {plan.local_prefill.max_prompt_tokens:g} tokens"
+            f"prompts of <= {plan.local_prefill.max_prompt_tokens:g} tokens where cheaper"
         print(f"disaggregation: {args.disaggregation} ({which} prefilled on decode, "
               f"{plan.local_prefill.token_budget} tokens per decode step)")
     print(f"recommendation for {args.rate:g} req/s, goodput target {args.goodput_target:.0%}: "

@@ -71,6 +71,7 @@ class Plan:
                              "max_batch": self.decode_model.max_batch},
             "transfer_ms": self.transfer_s * 1e3,
             "local_prefill": None if self.local_prefill is None else {
+                "rule": self.local_prefill.rule.model_dump(),
                 "max_prompt_tokens": self.local_prefill.max_prompt_tokens,
                 "token_budget": self.local_prefill.token_budget},
             "notes": self.notes,
@@ -191,9 +192,10 @@ def recommend(
                                 local_prefill)
     pre_slo = SLO(ttft_ms=slo.ttft_ms)
     dec_slo = SLO(tpot_ms=slo.tpot_ms)
-    # The prefill pool's share of the traffic: every prompt, or those it keeps remote.
+    # The prefill pool's share of the traffic: every prompt, or at least those too long
+    # to be computed locally (under `auto` the simulation prices the rest).
     lengths = tr.input_len.sample(np.random.default_rng(seed), num_requests).astype(float)
-    remote = lengths if local_prefill is None else lengths[~local_prefill.is_local(lengths)]
+    remote = lengths if local_prefill is None else lengths[~local_prefill.within_limit(lengths)]
     work_s = float(np.sum(prefill.service_s(remote))) / len(lengths) if len(remote) else 0.0
     p = max(1, math.ceil(tr.rate * work_s))
     while p < max_replicas and not pre_slo.empty and _shortfalls(

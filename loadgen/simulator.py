@@ -10,12 +10,14 @@ Model (the same one planner.py fits):
   c + d * batch_size and gives each running sequence one token; at most `max_batch`
   run at once, the rest wait. TPOT = (E2EL - TTFT) / (output_tokens - 1).
 - Prefill on decode (`LocalPrefill`, the router's `disaggregation: auto` or `never`):
-  a prompt the rule keeps local skips the prefill pool and joins a decode replica at
-  arrival. The decode engine computes it chunked, beside the running batch: each step
-  spends at most `token_budget` tokens, one per decoding sequence first, the rest on
-  waiting prompts in arrival order, and a prompt token costs what it costs the prefill
-  pool (the prefill model's b; its a, the per-call overhead, is not paid). The first
-  token leaves with the step that finishes the prompt.
+  each arrival is placed by the router's own rule (`choose_placement`; under `auto`
+  priced from the simulated pools at that moment). A prompt kept local skips the
+  prefill pool and joins a decode replica at arrival. The decode engine computes it
+  chunked, beside the running batch: each step spends at most `token_budget` tokens,
+  one per decoding sequence first, the rest on waiting prompts in arrival order, and a
+  prompt token costs what it costs the prefill pool (the prefill model's b; its a,
+  the per-call overhead, is not paid). The first token leaves with the step that
+  finishes the prompt.
 Not modelled: prefix-cache hits, chunked prefill of remote prompts, preemption,
 network jitter.
 
@@ -37,6 +39,7 @@ import numpy as np
 from loadgen.arrivals import inter_arrival_gaps
 from loadgen.distributions import LengthDist
 from loadgen.metrics import SLO
+from routing.router.disaggregation import ClusterView, DisaggregationConfig, Where, choose_placement
 
 if TYPE_CHECKING:
     from autoscaling.config import DecodeProfile, PrefillProfile
@@ -80,20 +83,52 @@ class DecodeModel:
 
 @dataclass(frozen=True)
 class LocalPrefill:
-    """Which prompts are prefilled on the decode replica that decodes them, and the
-    decode engine's per-step token budget (`engine.max_num_batched_tokens`).
-    `router.disaggregation` `auto` is `max_prompt_tokens` = its `max_local_prompt_tokens`;
-    `never` is every prompt (math.inf)."""
+    """Which prompts are prefilled on the decode replica that decodes them: the
+    router's own rule (`router.disaggregation`, mode `never` or `auto`, applied by
+    `choose_placement`), and the decode engine's per-step token budget
+    (`engine.max_num_batched_tokens`).
 
-    max_prompt_tokens: float
+    Under `auto` each arrival is priced as the router prices it, from a `ClusterView`
+    of the simulated pools at that moment (`view_of`): the prefill pool's least
+    backlog, the sequences on the decode replica a local prefill would join and
+    whether it has room. No prefix cache is modelled, so every prompt token is
+    uncached on both sides."""
+
+    rule: DisaggregationConfig
     token_budget: int = 512
 
     def __post_init__(self) -> None:
-        if self.max_prompt_tokens < 1 or self.token_budget < 1:
-            raise ValueError("max_prompt_tokens and token_budget must be >= 1")
+        if self.rule.mode == "always" or self.token_budget < 1:
+            raise ValueError("LocalPrefill needs disaggregation mode never or auto, and token_budget >= 1")
 
-    def is_local(self, prompt_tokens: np.ndarray) -> np.ndarray:
+    @classmethod
+    def of_mode(cls, mode: str, max_prompt_tokens: int = 256, token_budget: int = 512,
+                **prices: float) -> LocalPrefill | None:
+        """The model of `router.disaggregation` `mode` (None for `always`: every prompt
+        through the prefill pool); `prices` are `DisaggregationConfig`'s knobs."""
+        if mode == "always":
+            return None
+        return cls(DisaggregationConfig(mode=mode, max_local_prompt_tokens=max_prompt_tokens, **prices),
+                   token_budget)
+
+    @property
+    def max_prompt_tokens(self) -> float:
+        """The longest prompt ever computed locally."""
+        return math.inf if self.rule.mode == "never" else self.rule.max_local_prompt_tokens
+
+    def within_limit(self, prompt_tokens: np.ndarray) -> np.ndarray:
+        """Per prompt, whether it may be computed locally at all (its length alone)."""
         return np.asarray(prompt_tokens) <= self.max_prompt_tokens
+
+    def is_local(self, prompt_tokens: int, view: ClusterView | None) -> bool:
+        """The router's choice for one prompt, given what the pools look like now."""
+        return choose_placement(int(prompt_tokens), self.rule, view).where is Where.LOCAL
+
+
+def view_of(prefill_backlog_tokens: float, decode_running: int, decode_fits: bool) -> ClusterView:
+    """What the router would know in a simulation without a prefix cache."""
+    return ClusterView(prefill_queued_tokens=int(prefill_backlog_tokens), prefill_cached_tokens=0,
+                       decode_cached_tokens=0, decode_running=decode_running, decode_fits=decode_fits)
 
 
 @dataclass(frozen=True)
@@ -152,78 +187,93 @@ class SimResult:
         return out
 
 
-def _simulate_prefill(arrival: np.ndarray, service: np.ndarray, n_replicas: int) -> np.ndarray:
-    """Prefill end times; arrivals are sorted, so FCFS order is index order."""
-    free_at = [0.0] * n_replicas  # a heap of replica free times
-    done = np.empty_like(arrival)
-    for i, (t, s) in enumerate(zip(arrival, service)):
-        f = heapq.heappop(free_at)
-        done[i] = max(t, f) + s
-        heapq.heappush(free_at, done[i])
-    return done
+class _DecodePool:
+    """The decode pool's replicas, stepped event by event up to a given time, so that a
+    placement decided at an arrival sees the pool as it is then.
 
+    A request joins at a time (its first token's, or its arrival's if it is prefilled
+    here) needing `tokens_left[i]` decode steps; one with `prompt_left[i]` > 0 is
+    prefilled here first, chunked within `token_budget` tokens a step, each prompt token
+    costing `prefill_s_per_token`. A request joins the replica with the fewest sequences
+    at its join time."""
 
-def _simulate_decode(join: np.ndarray, tokens_left: np.ndarray, model: DecodeModel, n_replicas: int,
-                     prompt: np.ndarray | None = None, local: LocalPrefill | None = None,
-                     prefill_s_per_token: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """(first token, finish) times of requests that join decode at `join` needing
-    `tokens_left` steps after their first token. A request with `prompt` tokens > 0
-    is prefilled here first (`local`'s token budget, `prefill_s_per_token` each); the
-    others came with their first token (their first time is left at `join`)."""
-    first, finish = join.copy(), join.copy()  # requests with nothing left finish when they join
-    prompt_left = np.zeros(len(join), int) if prompt is None else prompt.astype(int)
-    budget = local.token_budget if local is not None else 0
-    order = [int(i) for i in np.argsort(join, kind="stable") if tokens_left[i] > 0 or prompt_left[i] > 0]
-    running: list[dict[int, int]] = [{} for _ in range(n_replicas)]  # request -> decode steps left
-    waiting: list[deque[int]] = [deque() for _ in range(n_replicas)]
-    chunks: list[dict[int, int]] = [{} for _ in range(n_replicas)]  # this step's prompt tokens per request
-    busy = [False] * n_replicas
-    events: list[tuple[float, int, int]] = []  # (time, kind 0=step end 1=join, replica or request)
-    for i in order:
-        heapq.heappush(events, (float(join[i]), 1, i))
+    def __init__(self, model: DecodeModel, n_replicas: int, tokens_left: np.ndarray, token_budget: int,
+                 prefill_s_per_token: float) -> None:
+        n = len(tokens_left)
+        self.model, self.n = model, n_replicas
+        self.tokens_left = np.asarray(tokens_left, int)
+        self.prompt_left = np.zeros(n, int)
+        self.budget, self.prefill_s_per_token = token_budget, prefill_s_per_token
+        self.first, self.finish = np.full(n, np.nan), np.full(n, np.nan)
+        self.running: list[dict[int, int]] = [{} for _ in range(n_replicas)]  # request -> decode steps left
+        self.waiting: list[deque[int]] = [deque() for _ in range(n_replicas)]
+        self.chunks: list[dict[int, int]] = [{} for _ in range(n_replicas)]  # this step's prompt tokens per request
+        self.busy = [False] * n_replicas
+        self.events: list[tuple[float, int, int]] = []  # (time, kind 0=step end 1=join, replica or request)
 
-    def start_step(r: int, t: float) -> None:
-        while waiting[r] and len(running[r]) < model.max_batch:
-            j = waiting[r].popleft()
-            running[r][j] = int(tokens_left[j])
-        if not running[r]:
-            busy[r] = False
+    def join(self, i: int, t: float, prompt_tokens: int = 0) -> None:
+        self.first[i] = self.finish[i] = t  # a request with nothing left finishes when it joins
+        self.prompt_left[i] = prompt_tokens
+        if self.tokens_left[i] > 0 or prompt_tokens > 0:
+            heapq.heappush(self.events, (t, 1, i))
+
+    def choice(self) -> int:
+        """The replica a request joining now would join."""
+        return min(range(self.n), key=lambda k: len(self.running[k]) + len(self.waiting[k]))
+
+    def num_running(self, r: int) -> int:
+        return len(self.running[r])
+
+    def has_room(self, r: int) -> bool:
+        return len(self.running[r]) + len(self.waiting[r]) < self.model.max_batch
+
+    def advance(self, until: float) -> None:
+        """Every join and step end up to `until`."""
+        while self.events and self.events[0][0] <= until:
+            t, kind, x = heapq.heappop(self.events)
+            if kind == 1:
+                r = self.choice()
+                self.waiting[r].append(x)
+                if not self.busy[r]:
+                    self._start_step(r, t)
+            else:
+                self._end_step(x, t)
+
+    def _start_step(self, r: int, t: float) -> None:
+        running, waiting = self.running[r], self.waiting[r]
+        while waiting and len(running) < self.model.max_batch:
+            j = waiting.popleft()
+            running[j] = int(self.tokens_left[j])
+        if not running:
+            self.busy[r] = False
             return
-        decoding = sum(1 for j in running[r] if prompt_left[j] == 0)
-        left = max(budget - decoding, 0) if decoding else budget
-        chunks[r] = {}
-        for j in running[r]:  # insertion order: arrival order
-            if prompt_left[j] > 0 and left > 0:
-                chunks[r][j] = take = min(int(prompt_left[j]), left)
+        decoding = sum(1 for j in running if self.prompt_left[j] == 0)
+        left = max(self.budget - decoding, 0) if decoding else self.budget
+        chunks = self.chunks[r] = {}
+        for j in running:  # insertion order: arrival order
+            if self.prompt_left[j] > 0 and left > 0:
+                chunks[j] = take = min(int(self.prompt_left[j]), left)
                 left -= take
-        busy[r] = True
-        step = model.step_s(decoding) + prefill_s_per_token * sum(chunks[r].values())
-        heapq.heappush(events, (t + step, 0, r))
+        self.busy[r] = True
+        step = self.model.step_s(decoding) + self.prefill_s_per_token * sum(chunks.values())
+        heapq.heappush(self.events, (t + step, 0, r))
 
-    while events:
-        t, kind, x = heapq.heappop(events)
-        if kind == 1:
-            r = min(range(n_replicas), key=lambda k: len(running[k]) + len(waiting[k]))
-            waiting[r].append(x)
-            if not busy[r]:
-                start_step(r, t)
-            continue
-        batch = running[x]
+    def _end_step(self, r: int, t: float) -> None:
+        batch = self.running[r]
         for j in list(batch):
-            if prompt_left[j] == 0:  # decoded one token this step
+            if self.prompt_left[j] == 0:  # decoded one token this step
                 batch[j] -= 1
-            elif j in chunks[x]:
-                prompt_left[j] -= chunks[x][j]
-                if prompt_left[j] > 0:
+            elif j in self.chunks[r]:
+                self.prompt_left[j] -= self.chunks[r][j]
+                if self.prompt_left[j] > 0:
                     continue
-                first[j] = t  # the prompt's last chunk samples the first token
+                self.first[j] = t  # the prompt's last chunk samples the first token
             else:
                 continue
             if batch[j] == 0:
-                finish[j] = t
+                self.finish[j] = t
                 del batch[j]
-        start_step(x, t)
-    return first, finish
+        self._start_step(r, t)
 
 
 def simulate(
@@ -238,32 +288,53 @@ def simulate(
     local_prefill: LocalPrefill | None = None,
 ) -> SimResult:
     """Simulate `num_requests` requests; `decode=None` simulates prefill only (TPOT 0;
-    with `local_prefill`, the prompts it keeps local get no times: NaN).
+    with `local_prefill`, the prompts it keeps local get no times: NaN, and `auto`
+    decides by length alone, having no decode pool to look at).
 
     `local_prefill` None is `router.disaggregation: always`: every prompt is prefilled
-    by the prefill pool, and its KV reaches decode `transfer_s` later."""
+    by the prefill pool, and its KV reaches decode `transfer_s` later. Arrivals are
+    taken in order: each is placed, then served by the prefill pool's replica that
+    frees up first (FCFS) or joins decode at once."""
     if n_prefill < 1 or (decode is not None and n_decode < 1):
         raise ValueError("replica counts must be >= 1")
     rng = np.random.default_rng(seed)
     arrival = np.cumsum(inter_arrival_gaps(traffic.rate, num_requests, traffic.burstiness, seed))
     n_in = traffic.input_len.sample(rng, num_requests).astype(float)
     n_out = traffic.output_len.sample(rng, num_requests)
-    local = np.zeros(num_requests, bool) if local_prefill is None else local_prefill.is_local(n_in)
-    remote = ~local
+    service = np.asarray(prefill.service_s(n_in), float)
+    budget = local_prefill.token_budget if local_prefill is not None else 0
+    pool = None if decode is None else _DecodePool(decode, n_decode, n_out - 1, budget, prefill.b_s_per_token)
+    free_at = [0.0] * n_prefill  # a heap of prefill replica free times
+    local = np.zeros(num_requests, bool)
     first = np.full(num_requests, np.nan)
-    first[remote] = _simulate_prefill(arrival[remote], np.asarray(prefill.service_s(n_in[remote]), float), n_prefill)
-    if decode is None:
+    for i, t in enumerate(arrival):
+        if local_prefill is not None:
+            view = None
+            if pool is not None:
+                pool.advance(t)
+                r = pool.choice()
+                backlog_tokens = max(0.0, free_at[0] - t) / prefill.b_s_per_token
+                view = view_of(backlog_tokens, pool.num_running(r), pool.has_room(r))
+            local[i] = local_prefill.is_local(int(n_in[i]), view)
+        if local[i]:
+            if pool is not None:
+                pool.join(i, t, int(n_in[i]))
+            continue
+        done = max(t, heapq.heappop(free_at)) + service[i]
+        heapq.heappush(free_at, done)
+        first[i] = done
+        if pool is not None:
+            pool.join(i, done + transfer_s)
+    if pool is None:
         end = first
     else:
-        join = np.where(local, arrival, first + transfer_s)
-        prompt = np.where(local, n_in, 0)
-        local_first, end = _simulate_decode(join, n_out - 1, decode, n_decode, prompt, local_prefill,
-                                            prefill.b_s_per_token)
-        first = np.where(local, local_first, first)
+        pool.advance(math.inf)
+        end = pool.finish
+        first = np.where(local, pool.first, first)
     ttft = first - arrival
     e2el = end - arrival
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(n_out > 1, (e2el - ttft) / (n_out - 1), np.nan)
     if decode is None:
-        tpot = np.where(n_out > 1, np.where(remote, 0.0, np.nan), np.nan)
+        tpot = np.where(n_out > 1, np.where(~local, 0.0, np.nan), np.nan)
     return SimResult(arrival, ttft, tpot, e2el, n_out, None if local_prefill is None else local)

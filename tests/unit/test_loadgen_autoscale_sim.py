@@ -73,7 +73,7 @@ def test_a_run_is_reproducible():
 
 
 def test_prompts_kept_local_are_prefilled_on_decode_and_never_reach_the_prefill_pool():
-    s = sim(LocalPrefill(float("inf")))
+    s = sim(LocalPrefill.of_mode("never"))
     run = s.run(SimPolicy("goodput", "goodput"), lambda t: 0.3, 60)
     served = [r for r in run.requests if r.done is not None]
     assert len(served) > 10 and all(r.prefill_start is None for r in served)  # no prefill replica saw one
@@ -82,5 +82,5 @@ def test_prompts_kept_local_are_prefilled_on_decode_and_never_reach_the_prefill_
     alone = min(r.first_token - r.arrival for r in served)
     assert s.decode.step_s(0) + 1.0 <= alone + 1e-9 <= s.decode.step_s(0) + 1.0 + 2 * s.dt
     # over the limit: the prefill pool as before
-    remote = sim(LocalPrefill(499)).run(SimPolicy("fixed", "fixed"), lambda t: 0.3, 60)
+    remote = sim(LocalPrefill.of_mode("auto", 499)).run(SimPolicy("fixed", "fixed"), lambda t: 0.3, 60)
     assert all(r.prefill_start is not None for r in remote.requests if r.done is not None)

@@ -43,7 +43,9 @@ def test_plan_main_models_prefill_on_decode(tmp_path, capsys, mode):
     assert result["target"]["disaggregation"] == mode
     assert result["plan"]["local_prefill"]["token_budget"] == 256
     share = result["plan"]["predicted"]["local_prefill_fraction"]
-    assert share == 1.0 if mode == "never" else 0.3 < share < 0.7  # uniform 200-1800, local <= 1000
+    # uniform 200-1800: under auto at most the half of <= 1000 tokens is local, fewer
+    # where the decode batch makes a local prefill dearer than the handoff
+    assert share == 1.0 if mode == "never" else 0.1 < share < 0.6
     assert f"disaggregation: {mode}" in capsys.readouterr().out
 
 

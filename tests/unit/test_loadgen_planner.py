@@ -114,18 +114,18 @@ def _alone(prompt: int, output: int, local: LocalPrefill | None):
 
 def test_a_local_prompt_is_computed_in_decode_steps_chunked_by_the_token_budget():
     c, d, b = DECODE.c_s, DECODE.d_s_per_seq, PREFILL.b_s_per_token
-    one = _alone(100, 5, LocalPrefill(256, token_budget=512))
+    one = _alone(100, 5, LocalPrefill.of_mode("auto", 256, 512))
     # one step of 100 prompt tokens (no prefill call overhead a, no transfer), then 4 decode steps of batch 1
     assert one.local.all()
     assert one.ttft[0] == pytest.approx(c + b * 100)
     assert one.e2el[0] == pytest.approx(c + b * 100 + 4 * (c + d))
     # 1000 tokens in 512-token chunks: two steps
-    chunked = _alone(1000, 1, LocalPrefill(2000, token_budget=512))
+    chunked = _alone(1000, 1, LocalPrefill.of_mode("auto", 2000, 512))
     assert chunked.ttft[0] == pytest.approx(2 * c + b * 1000) and chunked.e2el[0] == chunked.ttft[0]
 
 
 def test_a_prompt_over_the_limit_goes_through_the_prefill_pool():
-    remote = _alone(300, 5, LocalPrefill(256))
+    remote = _alone(300, 5, LocalPrefill.of_mode("auto", 256))
     always = _alone(300, 5, None)
     assert not remote.local.any() and always.local is None
     assert remote.ttft[0] == always.ttft[0] == pytest.approx(PREFILL.service_s(300))
@@ -139,7 +139,7 @@ def test_a_step_gives_its_token_budget_to_decoding_sequences_first(budget):
     # budget of 9, 7 with 8 (the 8th in step 3, beside A's last token).
     c, d, b = DECODE.c_s, DECODE.d_s_per_seq, PREFILL.b_s_per_token
     sim = simulate(PREFILL, DECODE, 1, 1, Traffic(2000.0, parse_length("8"), parse_length("3")), 2, seed=0,
-                   local_prefill=LocalPrefill(64, token_budget=budget))
+                   local_prefill=LocalPrefill.of_mode("auto", 64, budget))
     t_a, t_b = sim.arrival
     step1_end = t_a + c + 8 * b
     assert t_b < step1_end  # B waits for step 2
@@ -159,18 +159,36 @@ def test_auto_moves_short_prompts_off_the_prefill_pool_in_the_plan():
     target = PlanTarget(traffic, SLO(ttft_ms=3000, tpot_ms=100), goodput_target=0.9)
     pre = PrefillModel(0.0, 0.001)
     always = recommend(pre, DECODE, target, num_requests=600, seed=0)
-    auto = recommend(pre, DECODE, target, num_requests=600, seed=0, local_prefill=LocalPrefill(1000, 512))
+    auto = recommend(pre, DECODE, target, num_requests=600, seed=0,
+                     local_prefill=LocalPrefill.of_mode("auto", 1000, 512))
     assert always.feasible and auto.feasible
     assert auto.prefill_replicas < always.prefill_replicas
     assert 0.3 < auto.predicted["local_prefill_fraction"] < 0.7
     assert "local_prefill_fraction" not in always.predicted
-    assert auto.to_dict()["local_prefill"] == {"max_prompt_tokens": 1000, "token_budget": 512}
+    described = auto.to_dict()["local_prefill"]
+    assert described["max_prompt_tokens"] == 1000 and described["token_budget"] == 512
+    assert described["rule"]["mode"] == "auto" and described["rule"]["handoff_ms"] == 30.0
 
 
 def test_never_leaves_the_prefill_pool_idle():
     traffic = Traffic(2.0, parse_length("uniform:100:400"), parse_length("10"))
-    sim = simulate(PREFILL, DECODE, 1, 1, traffic, 200, seed=4, local_prefill=LocalPrefill(float("inf")))
+    sim = simulate(PREFILL, DECODE, 1, 1, traffic, 200, seed=4, local_prefill=LocalPrefill.of_mode("never"))
     assert sim.local.all() and np.isfinite(sim.ttft).all()
     # prefill-only: the local prompts have no prefill-pool times
-    alone = simulate(PREFILL, None, 1, 0, traffic, 200, seed=4, local_prefill=LocalPrefill(float("inf")))
+    alone = simulate(PREFILL, None, 1, 0, traffic, 200, seed=4, local_prefill=LocalPrefill.of_mode("never"))
     assert np.isnan(alone.ttft).all() and alone.goodput_ratio(SLO(ttft_ms=1), among=~alone.local) == 1.0
+
+
+def test_auto_prices_each_arrival_from_the_simulated_pools():
+    """The router's own rule, fed what the simulated pools look like at each arrival."""
+    rule = LocalPrefill.of_mode("auto", 256)
+    idle = simulate(PREFILL, DECODE, 1, 1, Traffic(0.01, parse_length("200"), parse_length("50")), 20, seed=2,
+                    local_prefill=rule)
+    assert idle.local.all()  # an empty decode batch: 200 tokens computed there beat a handoff
+    busy = simulate(PREFILL, DECODE, 1, 1, Traffic(5.0, parse_length("200"), parse_length("200")), 50, seed=2,
+                    local_prefill=rule)
+    # The first finds decode idle; later ones find sequences decoding there (each would
+    # wait for the prompt's steps) and an idle prefill pool: the handoff is cheaper.
+    assert busy.local[0] and not busy.local.all()
+    length_only = LocalPrefill.of_mode("auto", 256).within_limit(np.full(50, 200.0))
+    assert length_only.all()  # what the length rule alone would have kept local
