@@ -366,9 +366,14 @@ async def _first_batch(batches: AsyncIterator, timeout_s: float):
 async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resilience) -> PrefillResult:
     """The prefill call, tried on another replica when the one it reached is gone."""
     for attempt in itertools.count():
+        response = handle.prefill.remote(req)
         try:
-            return await handle.prefill.remote(req)
+            return await response
         except asyncio.CancelledError:
+            # A cancelled await leaves the Serve call running: the prefill replica would
+            # finish the prompt and lease its KV to nobody (held until the lease's TTL).
+            # Cancelled, the replica stops the prefill, or withdraws a lease it granted.
+            response.cancel()
             raise
         except _REPLICA_GONE as e:
             if attempt >= resilience.prefill_retries:

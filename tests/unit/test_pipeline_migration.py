@@ -27,6 +27,7 @@ from kvtransfer.messages import (
     SequenceMoved,
 )
 from routing.openai import pipeline
+from routing.openai.errors import APIError
 from routing.router.disaggregation import DisaggregationConfig, Placement, Where
 
 pytestmark = pytest.mark.unit
@@ -46,12 +47,30 @@ class _Remote:
         self.remote = fn
 
 
+class _Response:
+    """A unary Serve call's response: awaited for its result, and cancellable."""
+
+    def __init__(self, coro):
+        self.coro, self.cancelled = coro, False
+
+    def __await__(self):
+        return self.coro.__await__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
 class FakePrefill:
     """`prefill.remote(PrefillRequest)`: the engine computes the prompt and samples one token."""
 
     def __init__(self, engine, die_times: int = 0, lease_s: float = 30.0):
         self.engine, self.die_times, self.calls, self.lease_s = engine, die_times, [], lease_s
-        self.prefill = _Remote(self._prefill)
+        self.responses: list[_Response] = []
+        self.prefill = _Remote(self._call)
+
+    def _call(self, req: PrefillRequest) -> _Response:
+        self.responses.append(_Response(self._prefill(req)))
+        return self.responses[-1]
 
     async def _prefill(self, req: PrefillRequest):
         request_id, prompt_ids, sp = req.request_id, req.prompt_token_ids, req.sampling
@@ -277,6 +296,23 @@ async def test_a_client_that_leaves_mid_decode_cancels_the_call_and_rejects_the_
     await gen.aclose()  # the client went away
     assert streams[0].cancelled
     assert rejected == [("req", RejectReason.CLIENT_DISCONNECTED)]
+
+
+async def test_a_request_out_of_time_during_prefill_cancels_the_prefill_call(make_engine, prompt):
+    """The deadline (504) or a client that leaves while the prompt is computed: the
+    prefill call is cancelled, so its replica does not go on to lease KV to nobody."""
+
+    class Slow(FakePrefill):
+        async def _prefill(self, req):
+            await asyncio.Event().wait()  # still computing when the request runs out of time
+
+    prefill = Slow(make_engine())
+    gen = pipeline.within(pipeline.disaggregated(prefill, FakeDecode(make_engine(), die_after=[]), request(prompt),
+                                                 pipeline.Timing()), timeout_s=0.2)
+    with pytest.raises(APIError, match="did not finish within 0.2 s") as e:
+        await collect(gen)
+    assert e.value.status == 504
+    assert [r.cancelled for r in prefill.responses] == [True]
 
 
 async def test_a_finished_request_leaves_its_lease_to_decode(make_engine, prompt, monkeypatch):
