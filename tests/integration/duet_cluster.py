@@ -76,6 +76,7 @@ CHAOS_REQUEST_TIMEOUT_S = 90.0
 CHAOS_MAX_TOKENS = 12
 FUZZ_MAX_TOKENS = 2
 AUTO_LOCAL_MAX_TOKENS = 64
+AUTO_RESILIENT_LOCAL_MAX_TOKENS = 16
 
 # The "autoscaling" cluster's TTFT SLO and capacity profile.
 AUTOSCALE_TTFT_SLO_MS = 1500
@@ -164,6 +165,13 @@ CLUSTERS: dict[str, dict] = {
     },
     # Two replicas per pool, so a lost one can be survived (tests kill replicas: last).
     "resilient": {"prefill.replicas": 2, "decode.replicas": 2},
+    # `auto` with two decode replicas (test_auto_migration.py kills one): a prompt of a
+    # few token ids is prefilled on decode, so its decode replica holds the only copy of
+    # its KV when it dies.
+    "auto-resilient": {
+        "decode.replicas": 2,
+        "router.disaggregation": {"mode": "auto", "max_local_prompt_tokens": AUTO_RESILIENT_LOCAL_MAX_TOKENS},
+    },
     # The soak's: two replicas per pool, the Redis prefix index, CPU and
     # Redis KV tiers (16-token chunks: the prompts are short), a 90 s request deadline,
     # 128-token contexts, at most 12 completion tokens and 2 choices.
