@@ -11,7 +11,7 @@ cores; against each, the same workloads at the same open-loop rates, driven by
 
 `always` is today's path (every prompt through the prefill pool), `never` prefills every
 prompt on the decode replica (aggregated routing of the same two replicas), and `auto`
-prices each pass in both places (routing/router/disaggregation.py), computing at most
+prices each pass in both places (autoscaling/placement.py), computing at most
 `max_local_prompt_tokens` tokens locally. Each point reports goodput (requests/s meeting the
 TTFT and TPOT SLOs), TTFT and TPOT p50/p90 and output tokens/s; the table also gives
 auto's goodput against the better of the other two at each point.

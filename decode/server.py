@@ -9,7 +9,7 @@ when `transfer.on_failure: recompute` (never on a layout or backend mismatch);
 either way it is counted.
 
 For a `PrefillRequest` (the router's `disaggregation` rule chose to prefill it here,
-routing/router/disaggregation.py) the replica computes the prompt itself, chunked
+autoscaling/placement.py) the replica computes the prompt itself, chunked
 within its engine's per-step token budget beside the running batch, and streams the
 whole request: no lease, no transfer.
 

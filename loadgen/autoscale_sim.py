@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoscaling.config import BudgetConfig, CapacityProfile, PoolAutoscaling, SLOConfig
+from autoscaling.placement import ClusterView
 from autoscaling.policy import GoodputPolicy, PoolPolicy, PoolState
 from autoscaling.signals import DecodeSignals, GatewaySignals, LoadSnapshot, PrefillSignals, ReplicaReport
 from loadgen.distributions import LengthDist
 from loadgen.simulator import DecodeModel, LocalPrefill, PrefillModel, view_of
-from routing.router.disaggregation import ClusterView
 
 
 @dataclass

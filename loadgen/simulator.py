@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from autoscaling.placement import ClusterView, DisaggregationConfig, Where, choose_placement
 from loadgen.arrivals import inter_arrival_gaps
 from loadgen.distributions import LengthDist
 from loadgen.metrics import SLO
-from routing.router.disaggregation import ClusterView, DisaggregationConfig, Where, choose_placement
 
 if TYPE_CHECKING:
     from autoscaling.config import DecodeProfile, PrefillProfile

@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from autoscaling.config import SLOConfig
+from autoscaling.placement import DisaggregationConfig
 from autoscaling.signals import GatewaySignals
 from engine.config import EngineConfig
 from engine.tokenizer import load_tokenizer
@@ -56,7 +57,6 @@ from routing.openai.stream import (
     sse_error,
 )
 from routing.router import view as router_view
-from routing.router.disaggregation import DisaggregationConfig
 from telemetry import metrics, tracing
 from telemetry.config import TelemetryConfig
 from telemetry.tracing import Context

@@ -3,7 +3,7 @@
 Disaggregated: a loop of passes (`disaggregated`); one pass (`_Pass`) is prefill →
 (first token to the client at once) → decode, which imports the KV and streams the
 rest, and says how it ended (`Outcome`): done, migrate or prefill again. Each pass is
-placed first (`router.disaggregation`, routing/router/disaggregation.py): a pass whose
+placed first (`router.disaggregation`, autoscaling/placement.py): a pass whose
 prompt is cheaper to compute where it decodes is a `_LocalPass`, the whole request on
 one decode replica. Aggregated: one pool does both.
 
@@ -47,6 +47,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve._private.utils import generate_request_id
 from ray.serve.context import _set_request_context
 
+from autoscaling.placement import ClusterView, DisaggregationConfig, Placement, Where, choose_placement
 from engine.async_engine import EngineDead
 from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -61,7 +62,6 @@ from kvtransfer.messages import (
     SequenceMoved,
 )
 from routing.openai.errors import deadline_exceeded
-from routing.router.disaggregation import ClusterView, DisaggregationConfig, Placement, Where, choose_placement
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from autoscaling.placement import Placement
 from autoscaling.signals import GatewaySignals
 from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -23,7 +24,6 @@ from kvtransfer.messages import PrefillRequest, TraceCarrier
 from routing.openai.access import KeyLimiter
 from routing.openai.errors import overloaded
 from routing.openai.pipeline import Timing
-from routing.router.disaggregation import Placement
 from telemetry import metrics, tracing
 from telemetry.tracing import Context, Span, SpanKind
 
@@ -127,7 +127,7 @@ class RequestRecord:
         return tracing.carrier(self.span)
 
     def placed(self, placement: Placement) -> None:
-        """Where a pass of the request computes its prompt (routing/router/disaggregation.py)."""
+        """Where a pass of the request computes its prompt (autoscaling/placement.py)."""
         self._recorder.inc(metrics.PLACEMENTS, where=placement.where.value, reason=placement.reason)
         tracing.set_attributes(self.span, {"duet.disaggregation.where": placement.where.value,
                                            "duet.disaggregation.reason": placement.reason,

@@ -25,8 +25,8 @@ from typing import Literal
 
 from pydantic import Field
 
+from autoscaling.placement import DisaggregationConfig
 from kvtransfer.events.config import PrefixIndexConfig
-from routing.router.disaggregation import DisaggregationConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,7 @@ class RouterConfig(PrefixIndexConfig):
     # How often each replica reports its load (and, for `memory`, its KV event log).
     stats_period_s: float = Field(0.25, gt=0)
     # Per request: through the prefill pool, or prefilled where it decodes
-    # (routing/router/disaggregation.py).
+    # (autoscaling/placement.py).
     disaggregation: DisaggregationConfig = DisaggregationConfig()
 
 

@@ -1,7 +1,7 @@
 """What this process's routers know, for `router.disaggregation: auto`.
 
 The gateway's pipeline places each pass of a request before it calls either pool
-(routing/router/disaggregation.py). The numbers that price the two places live in the
+(autoscaling/placement.py). The numbers that price the two places live in the
 KV-aware routers Serve runs in the same process: the prefill pool's queues and prefix
 index, and the decode pool's batches, free blocks and prefix index (from the decode
 replicas' KV events). Each router registers itself here when Serve gives it its
@@ -16,8 +16,8 @@ import weakref
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
+from autoscaling.placement import ClusterView
 from kvtransfer.messages import PrefillRequest
-from routing.router.disaggregation import ClusterView
 
 T = TypeVar("T")
 

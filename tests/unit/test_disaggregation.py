@@ -1,4 +1,4 @@
-"""The per-request disaggregation rule (routing/router/disaggregation.py)."""
+"""The per-request disaggregation rule (autoscaling/placement.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from pydantic import ValidationError
 
-from routing.router.disaggregation import ClusterView, DisaggregationConfig, Placement, Where, choose_placement
+from autoscaling.placement import ClusterView, DisaggregationConfig, Placement, Where, choose_placement
 from routing.router.policy import RouterConfig
 
 pytestmark = pytest.mark.unit

@@ -8,9 +8,10 @@ bench may import cluster, since its targets drive the composition root (they sta
 `duet serve` through cluster.serve_cli, read cluster.config, build the Serve app,
 bring up namespace clusters); nothing else imports cluster; and nothing imports bench
 but cluster/cli.py, which dispatches `duet bench TARGET` to it. loadgen is a client
-and imports no server room, only the autoscaling policy and the router's disaggregation
-rule (its simulators run the same code). Every import counts: lazy ones inside
-functions, and `importlib.import_module` of a constant name.
+and imports no server room, only the autoscaling room's pure policy code (the
+goodput policy and the placement rule: its simulators run the same code). Every
+import counts: lazy ones inside functions, and `importlib.import_module` of a
+constant name.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ SIDEWAYS = {("bench", "cluster")}  # the benchmarks start and configure the clus
 # Rooms only the named modules may import: the CLI is bench's one way in.
 ONLY_FROM = {"bench": {"cluster/cli.py"}}
 CLIENTS = {"loadgen"}
-# Pure policy code, no server: the autoscaling policy and the router's disaggregation
-# rule (loadgen's simulators run the same code the cluster runs).
-CLIENT_MAY_IMPORT = {"autoscaling", "routing.router.disaggregation"}
+CLIENT_MAY_IMPORT = {"autoscaling"}  # pure policy code, no server
 
 
 def _import_module_name(node: ast.Call) -> str | None:
@@ -99,7 +98,7 @@ def test_the_check_sees_a_wrong_arrow(tmp_path):
     (tmp_path / "prefill" / "y.py").write_text("import decode.server\nimport engine.engine\n")
     (tmp_path / "loadgen").mkdir()
     (tmp_path / "loadgen" / "z.py").write_text("from kvtransfer import handoff\n"
-                                               "from routing.router.disaggregation import choose_placement\n"
+                                               "from autoscaling.placement import choose_placement\n"
                                                "from routing.router.policy import RouterConfig\n")
     assert violations(tmp_path) == [
         "engine/x.py:2 engine imports routing",

@@ -12,6 +12,7 @@ import time
 import pytest
 from ray.exceptions import ActorDiedError
 
+from autoscaling.placement import DisaggregationConfig, Placement, Where
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
@@ -28,7 +29,6 @@ from kvtransfer.messages import (
 )
 from routing.openai import pipeline
 from routing.openai.errors import APIError
-from routing.router.disaggregation import DisaggregationConfig, Placement, Where
 
 pytestmark = pytest.mark.unit
 
