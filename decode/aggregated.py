@@ -39,7 +39,7 @@ class AggregatedServer:
         })
         try:
             stream = await self.aengine.add_request(req.request_id, list(req.prompt_token_ids), req.sampling,
-                                                    req.cache_salt)
+                                                    req.cache_salt, req.fork_of)
         except BaseException as e:
             tracing.end_span(span, e)
             raise

@@ -137,7 +137,7 @@ class DecodeServer:
 
     async def _generate_local(self, req: PrefillRequest) -> AsyncGenerator[list[RequestOutput], None]:
         stream = await self.aengine.add_request(req.request_id, list(req.prompt_token_ids), req.sampling,
-                                                req.cache_salt)
+                                                req.cache_salt, req.fork_of)
         async for outs in self._stream(stream, local=True):
             yield outs
 

@@ -139,13 +139,16 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ typed commands
     async def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None,
+        fork_of: str | None = None,
     ) -> AsyncGenerator[list[RequestOutput], None]:
-        """Start a request from its prompt; its stream of output batches."""
+        """Start a request from its prompt; its stream of output batches. `fork_of`: a
+        choice of the same request whose prompt KV it may fork (`Engine.add_request`)."""
         eng = self.engine
         grammar = await self._grammar(sampling, [])
         return await self.add(request_id, lambda: eng.add_request(prompt_token_ids, sampling, request_id=request_id,
-                                                                  grammar=grammar, cache_salt=cache_salt))
+                                                                  grammar=grammar, cache_salt=cache_salt,
+                                                                  fork_of=fork_of))
 
     async def add_imported_request(
         self,

@@ -193,10 +193,13 @@ class Engine:
         priority: int = 0,
         grammar: GrammarMatcher | None = None,
         cache_salt: str | None = None,
+        fork_of: str | None = None,
     ) -> str:
         """`grammar`: the structured output's matcher, when the caller compiled it off
         this thread (`grammars.matcher`); built here otherwise. `cache_salt`: the
-        request's KV namespace (engine/hashing.py `chain_root`)."""
+        request's KV namespace (engine/hashing.py `chain_root`). `fork_of`: another
+        choice of the same request (`n` > 1) whose prompt KV this one forks if that one
+        is here (`Scheduler`); computed as any request otherwise."""
         sampling = sampling or SamplingParams()
         sampling.validate()
         sampling.check_vocab(self.model_config.vocab_size)
@@ -205,7 +208,7 @@ class Engine:
         if request_id in self.scheduler.requests or request_id in self._detoks:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         req = Request(request_id, ids, sampling, priority, stop_after_first_token=self.role == "prefill",
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, fork_of=fork_of)
         self._start(req, grammar=grammar)
         return request_id
 
@@ -321,6 +324,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         if not sched:
             return outputs
+        if sched.block_copies:
+            self.kv_cache.copy_blocks(sched.block_copies)
         sched, logits = self._execute(sched, outputs)
         if not sched:
             self._failed_steps += 1
@@ -525,6 +530,7 @@ class Engine:
             spec_draft_tokens=self.num_draft_tokens,
             spec_accepted_tokens=self.num_accepted_tokens,
             spec_verify_steps=self.num_verify_steps,
+            num_forks=self.scheduler.num_forks,
             request_ids=tuple(r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)),
         )
 

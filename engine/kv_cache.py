@@ -43,3 +43,9 @@ class KVCache:
         )
         self.layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(model.num_layers)]
         self.bytes_per_block = self.data[0].numel() * self.data.element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's KV, every layer: a forked sequence's
+        own copy of the block it will write into (copy-on-write)."""
+        for src, dst in copies:
+            self.data[dst].copy_(self.data[src])

@@ -173,6 +173,26 @@ class KVCacheManager:
             self.pool.cache_blocks(req.block_ids[start:full], req.block_hashes[start:full], parent)
             req.num_hashed_blocks_cached = full
 
+    def fork(self, child: Request, parent: Request) -> tuple[int, int] | None:
+        """Give `child` the KV of the prompt it shares with `parent`, which has computed
+        it; returns the (source, destination) block copy the engine must make before the
+        next forward, or None (and no change) when the pool has no free block.
+
+        Every block before the one holding the prompt's last token is shared (one more
+        reference each). That block is copied (copy-on-write): the child computes its
+        last prompt token again, into its own copy, for the logits of its own first
+        token, and `parent` goes on writing its tokens into the original."""
+        last = (child.num_prompt_tokens - 1) // self.block_size
+        if self.pool.num_free_blocks < 1:
+            return None
+        shared = parent.block_ids[:last]
+        self.pool.touch(shared)
+        (copy,) = self.pool.allocate(1)
+        child.block_ids = [*shared, copy]
+        child.num_computed_tokens = child.num_prompt_tokens - 1
+        child.num_hashed_blocks_cached = last  # the parent registered them, or another block holds their hash
+        return parent.block_ids[last], copy
+
     def free(self, req: Request) -> None:
         self.pool.free(reversed(req.block_ids))
         req.block_ids = []

@@ -47,6 +47,10 @@ class Request:
     # Its tenant's KV namespace (engine/hashing.py `chain_root`): no block is shared
     # with a request of another salt, in the pool or in the external cache.
     cache_salt: str | None = None
+    # `n` > 1: another choice of the same request (same prompt and salt). While that
+    # one runs here with its prompt computed, this one forks its KV instead of
+    # computing it (`Scheduler`, `KVCacheManager.fork`).
+    fork_of: str | None = None
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

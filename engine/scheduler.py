@@ -5,6 +5,9 @@ then running requests still in prefill get a chunk, then waiting requests are
 admitted in (priority, arrival) order while the budget, `max_num_seqs` and the
 block pool allow. A waiting request whose prompt's leading blocks a running request
 is computing right now waits for them to be cached instead of computing them too.
+A request that is another choice of a running one (`n` > 1, `Request.fork_of`) forks
+that one's prompt KV once it is computed: the full blocks shared, the last one copied
+(`SchedulerOutput.block_copies`, made by the engine before the forward).
 When blocks run out, the lowest-priority running request not yet scheduled this
 step is preempted by recompute: its blocks are freed and it goes back to the head
 of the queue with its generated tokens kept.
@@ -60,6 +63,9 @@ class SchedulerOutput:
     decodes: list[ScheduledRequest] = field(default_factory=list)  # one new token each
     prefills: list[ScheduledRequest] = field(default_factory=list)  # chunks of > 1 token (drafts too)
     preempted: list[str] = field(default_factory=list)
+    # (source, destination) blocks whose KV is copied before the forward: forks' own
+    # copies of the block holding their prompt's last token.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:
@@ -84,6 +90,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_forks = 0  # requests admitted with a sibling's prompt KV (`fork_of`)
         # Off only to measure what waiting for a shared prefix saves (`duet bench choices`).
         self.wait_for_shared_prefix = True
 
@@ -141,23 +148,30 @@ class Scheduler:
         deferred: list[Request] = []  # their prompt's blocks are being computed by another
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            if self._prefix_being_computed(req):
+            if self._waits_for_parent(req) or self._prefix_being_computed(req):
                 deferred.append(self.waiting.popleft())
                 if len(deferred) >= self.max_num_seqs:  # a burst on one prefix: look no further
                     break
                 continue
-            match = self.kv.match_prefix(req) if req.num_computed_tokens == 0 else PrefixMatch([])
-            ready = len(match.blocks) * self.kv.block_size + match.num_external_tokens
-            n = min(req.num_tokens - max(ready, req.num_computed_tokens), budget)
-            if not self.kv.allocate_slots(req, n + match.num_external_tokens, match.blocks):
-                break
-            if match.num_external_tokens:
-                self.kv.load_external(req, match)
+            parent = self._parent(req)
+            if parent is not None:
+                forked = self._admit_fork(req, parent, budget, out)
+                if forked is None:
+                    break
+                n, pool_tokens = forked, req.num_computed_tokens
+            else:
+                match = self.kv.match_prefix(req) if req.num_computed_tokens == 0 else PrefixMatch([])
+                ready = len(match.blocks) * self.kv.block_size + match.num_external_tokens
+                n = min(req.num_tokens - max(ready, req.num_computed_tokens), budget)
+                if not self.kv.allocate_slots(req, n + match.num_external_tokens, match.blocks):
+                    break
+                if match.num_external_tokens:
+                    self.kv.load_external(req, match)
+                pool_tokens = min(len(match.blocks) * self.kv.block_size, req.num_computed_tokens)
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
                 req.first_scheduled_time = time.monotonic()
-                pool_tokens = min(len(match.blocks) * self.kv.block_size, req.num_computed_tokens)
                 if pool_tokens:
                     req.cached_tokens_by_source["pool"] = pool_tokens
             req.status = RequestStatus.RUNNING
@@ -167,6 +181,47 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # back in their places, ahead of the rest
         return out
+
+    def _parent(self, req: Request) -> Request | None:
+        """The running choice whose prompt KV `req` forks (`fork_of`): same prompt and
+        salt, its prompt computed up to the last token. None: `req` is computed as any
+        request is (no such choice here: it finished, failed, or ran elsewhere)."""
+        parent = self._sibling(req)
+        if (parent is None or parent.status is not RequestStatus.RUNNING
+                or parent.num_computed_tokens < req.num_prompt_tokens - 1):
+            return None
+        return parent
+
+    def _waits_for_parent(self, req: Request) -> bool:
+        """Whether the choice `req` forks is here but has not computed its prompt yet
+        (waiting, or prefilling): then `req` waits for it, as for a shared prefix."""
+        parent = self._sibling(req)
+        return parent is not None and (parent.status is not RequestStatus.RUNNING
+                                       or parent.num_computed_tokens < req.num_prompt_tokens - 1)
+
+    def _sibling(self, req: Request) -> Request | None:
+        if req.fork_of is None or req.num_computed_tokens:
+            return None
+        parent = self.requests.get(req.fork_of)
+        if (parent is None or parent.is_finished or parent.cache_salt != req.cache_salt
+                or parent.prompt_token_ids != req.prompt_token_ids):
+            return None
+        return parent
+
+    def _admit_fork(self, req: Request, parent: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Fork `parent`'s prompt KV into `req` and allocate the rest of its chunk; the
+        chunk's tokens, or None (and no change) when the pool cannot."""
+        copy = self.kv.fork(req, parent)
+        if copy is None:
+            return None
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if not self.kv.allocate_slots(req, n):  # only a preempted choice has more than its last token to compute
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            return None
+        out.block_copies.append(copy)
+        self.num_forks += 1
+        return n
 
     def _prefix_being_computed(self, req: Request) -> bool:
         """Whether a running request is computing leading blocks of `req`'s prompt that

@@ -39,6 +39,9 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verify_steps: int = 0
+    # `n` > 1: choices that forked another choice's prompt KV (shared blocks, the last
+    # one copied) instead of computing or importing it.
+    num_forks: int = 0
     # The requests the queue counts above count (waiting, then running): a router
     # takes off those it has seen finish since this snapshot was taken.
     request_ids: tuple[str, ...] = ()

@@ -104,6 +104,10 @@ class PrefillRequest:
     # The tenant's KV namespace (engine/hashing.py `chain_root`): the router hashes the
     # prompt with it, and every replica caches and looks up the request's KV under it.
     cache_salt: str | None = None
+    # `n` > 1: the id of another choice of this request, decoding on some replica. The
+    # router sends this one to that replica, whose engine forks that choice's prompt KV
+    # (`engine.request.Request.fork_of`) instead of prefilling or importing it again.
+    fork_of: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))

@@ -89,6 +89,8 @@ SPEC_DRAFT_TOKENS = _c("duet_spec_draft_tokens_total", "Speculative draft tokens
 SPEC_ACCEPTED_TOKENS = _c("duet_spec_accepted_tokens_total", "Speculative draft tokens the model accepted")
 SPEC_VERIFY_STEPS = _c("duet_spec_verify_steps_total",
                        "Request-steps that verified drafts (accepted tokens / these + 1 = tokens per such step)")
+FORKS = _c("duet_forked_sequences_total",
+           "Choices of an n > 1 request that forked another choice's prompt KV instead of computing or importing it")
 # ---------------------------------------------------------------- KV transfer (decode side)
 TRANSFER_BYTES = _c("duet_kv_transfer_bytes_total", "KV bytes pulled from prefill", ("backend",))
 TRANSFER_SECONDS = _h("duet_kv_transfer_seconds", "Duration of one KV pull", ("backend",))
@@ -218,6 +220,7 @@ class EngineStatsReporter:
         self._count(SPEC_DRAFT_TOKENS, "spec_draft_tokens", s)
         self._count(SPEC_ACCEPTED_TOKENS, "spec_accepted_tokens", s)
         self._count(SPEC_VERIFY_STEPS, "spec_verify_steps", s)
+        self._count(FORKS, "num_forks", s)
         if "leases_active" in s:  # a prefill replica's exporter
             r.set(LEASES_ACTIVE, s["leases_active"])
             self._count(LEASES_GRANTED, "leases_granted", s)

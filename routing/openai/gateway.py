@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.tokenizer import load_tokenizer
 from engine.weights import served_model_name
 from kvtransfer.config import TransferConfig
+from kvtransfer.messages import PrefillRequest
 from kvtransfer.replica import replica_id
 from routing.openai import pipeline
 from routing.openai.access import APIKeys, KeyLimiter, cache_salt, check_headers, read_body
@@ -273,14 +274,16 @@ class Gateway:
         return self.tokenizer.convert_ids_to_tokens([token_id])[0]
 
     def _run(self, call: Call, record: RequestRecord):
-        def choice(index: int):
-            req = call.to_pool(record.trace, index)
+        def choice(req: PrefillRequest):
             if self.aggregated is not None:
                 return pipeline.aggregated(self.aggregated, req)
             return pipeline.disaggregated(self.prefill, self.decode, req, record.timing, self.resilience,
                                           self.placement, record.placed, router_view.cluster_view)
 
-        return choice(0) if call.n == 1 else pipeline.merged([choice(i) for i in range(call.n)])
+        reqs = [call.to_pool(record.trace, i) for i in range(call.n)]
+        if call.n == 1:
+            return choice(reqs[0])
+        return pipeline.choices(choice, reqs, fork_after_tokens=1 if self.aggregated is not None else 2)
 
     async def _observed(self, call: Call):
         """The pipeline's batches, bracketed by the call's admission and recorded."""

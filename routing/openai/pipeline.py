@@ -146,19 +146,24 @@ async def disaggregated(
             yield [view.final(FinishReason.LENGTH, len(generated))]
             return
         # Each pass is a new request for the pools (a replica may still know the last id).
+        # A migrated pass computes its own context: it forks nothing.
         sub = dataclasses.replace(
             req, request_id=req.request_id if hop == 0 else f"{req.request_id}.m{hop}",
             prompt_token_ids=req.prompt_token_ids + tuple(generated), sampling=remaining,
+            fork_of=req.fork_of if hop == 0 else None,
         )
-        seen = await _view(cluster_view, sub) if placement.mode == "auto" else None
-        decision = choose_placement(sub.num_prompt_tokens, placement, seen)
-        if placed is not None:
-            placed(decision)
         one: _Pass | _LocalPass
-        if decision.where is Where.LOCAL:
+        if sub.fork_of is not None:  # to the decode replica its sibling runs on, to fork its KV there
             one = _LocalPass(decode_handle, sub, timing, resilience)
         else:
-            one = _Pass(prefill_handle, decode_handle, sub, timing, resilience)
+            seen = await _view(cluster_view, sub) if placement.mode == "auto" else None
+            decision = choose_placement(sub.num_prompt_tokens, placement, seen)
+            if placed is not None:
+                placed(decision)
+            if decision.where is Where.LOCAL:
+                one = _LocalPass(decode_handle, sub, timing, resilience)
+            else:
+                one = _Pass(prefill_handle, decode_handle, sub, timing, resilience)
         base = len(generated)
         # Closed with us (aclosing), so a client that leaves cancels the decode call and
         # rejects the lease now, not when the abandoned generator is collected.
@@ -383,6 +388,43 @@ async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resi
         except Exception as e:
             raise UpstreamError(f"prefill failed: {_short(e)}") from e
     raise AssertionError("unreachable")
+
+
+def choices(run: Callable[[PrefillRequest], AsyncGenerator[list[RequestOutput], None]],
+            reqs: list[PrefillRequest], fork_after_tokens: int) -> AsyncGenerator[list[RequestOutput], None]:
+    """The `n` choices of one request (`run` is one choice's pipeline), merged. The first
+    runs at once. The others wait until it has produced `fork_after_tokens` tokens, so
+    its prompt's KV sits where it decodes (P/D: prefill's token and decode's first; one
+    pool: its first), and go there to fork that KV (`fork_of`): one prefill, one import,
+    the prompt's blocks shared. If the first ends sooner, or fails, they run as it did."""
+    first, rest = reqs[0], reqs[1:]
+    produced = 0
+    ended = False
+    ready = asyncio.Event()
+
+    async def leader() -> AsyncGenerator[list[RequestOutput], None]:
+        nonlocal produced, ended
+        try:
+            async with contextlib.aclosing(run(first)) as batches:
+                async for outs in batches:
+                    produced += sum(len(o.new_token_ids) for o in outs)
+                    ended = outs[-1].finished
+                    if produced >= fork_after_tokens or ended:
+                        ready.set()
+                    yield outs
+        finally:
+            ended = True
+            ready.set()
+
+    async def follower(req: PrefillRequest) -> AsyncGenerator[list[RequestOutput], None]:
+        await ready.wait()
+        if not ended:
+            req = dataclasses.replace(req, fork_of=first.request_id)
+        async with contextlib.aclosing(run(req)) as batches:
+            async for outs in batches:
+                yield outs
+
+    return merged([leader(), *(follower(r) for r in rest)])
 
 
 async def merged(streams: list[AsyncGenerator]) -> AsyncGenerator:

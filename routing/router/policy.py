@@ -72,7 +72,7 @@ class RoutingDecision:
     replica_id: str
     cached_blocks: int
     cost: float
-    # "prefix" | "load" | "imbalance" | "affinity" | "sampled" | "kv" | "no-fit"
+    # "prefix" | "load" | "imbalance" | "affinity" | "sampled" | "kv" | "no-fit" | "fork"
     reason: str
     candidates: tuple[tuple[str, float], ...] = ()  # (replica, cost) of every candidate
 

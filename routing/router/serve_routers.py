@@ -129,6 +129,9 @@ class _LoadTracking:
         self._completed: dict[str, deque[tuple[str | None, float, int]]] = {}
         self.decisions: Counter[str] = Counter()
         self._metrics = metrics.Recorder(self.pool, "")
+        # Request id -> replica of each call this router sent and has not seen complete:
+        # where a forked choice's sibling runs (`_fork_target`).
+        self._running_on: dict[str, str] = {}
 
     def _observe(self, decision: RoutingDecision, parent: dict | None, started: float, matched: int = 0) -> None:
         """Count the decision and trace it as a `route <pool>` span of the request."""
@@ -187,13 +190,18 @@ class _LoadTracking:
         planned = self._planned.pop(rid, None)
         tokens = planned.tokens if planned is not None and planned.key == key else 0
         self._inflight.setdefault(key, _InFlight()).tokens[rid] = tokens
-        self._sent[rid] = (_request_id(pending_request), planned.counted if planned is not None else 0)
+        request_id = _request_id(pending_request)
+        self._sent[rid] = (request_id, planned.counted if planned is not None else 0)
+        if request_id is not None:
+            self._running_on[request_id] = key
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._planned.pop(internal_request_id, None)
         now = time.monotonic()
         request_id, counted = self._sent.pop(internal_request_id, (None, 0))
         key = replica_key(replica_id)
+        if request_id is not None and self._running_on.get(request_id) == key:
+            del self._running_on[request_id]
         flight = self._inflight.get(key)
         if flight is None or internal_request_id not in flight.tokens:
             return
@@ -203,6 +211,23 @@ class _LoadTracking:
         while done and now - done[0][1] > _COMPLETED_WINDOW_S:
             done.popleft()
 
+    def _route_fork(self, pr: PendingRequest | None, key: str, by_key: dict[str, RunningReplica],
+                    trace: dict | None, started: float) -> list[list[RunningReplica]]:
+        """Send a forked choice where its sibling runs (one step of work: its last
+        prompt token), the others after it should that one refuse the call."""
+        self._observe(RoutingDecision(key, 0, 0.0, "fork"), trace, started)
+        assert pr is not None  # it carried the message
+        self._plan(pr, key, 1)
+        return [[by_key[key]], *([r] for k, r in by_key.items() if k != key)]
+
+    def _fork_target(self, req: PrefillRequest | DecodeRequest, candidates: dict[str, RunningReplica]) -> str | None:
+        """A forked choice's replica (`PrefillRequest.fork_of`): where this router sent
+        its sibling's call, still running, if that replica is a candidate. None: the
+        usual decision (the sibling ended, or its replica left)."""
+        fork_of = req.fork_of if isinstance(req, PrefillRequest) else None
+        key = self._running_on.get(fork_of) if fork_of is not None else None
+        return key if key in candidates else None
+
     def pending(self) -> int:
         """Requests this router decided or sent and has not yet seen complete."""
         return len(self._planned) + sum(len(f.tokens) for f in self._inflight.values())
@@ -210,6 +235,8 @@ class _LoadTracking:
     def _forget(self, key: str) -> None:
         self._inflight.pop(key, None)
         self._completed.pop(key, None)
+        for request_id in [r for r, k in self._running_on.items() if k == key]:
+            del self._running_on[request_id]
 
 
 def _stats(replica: RunningReplica) -> RoutingStats:
@@ -425,11 +452,14 @@ class KVAwareDecodeRouter(_IndexFollowing, _LoadTracking, RequestRouter):
         if req is None:
             return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
         started = time.monotonic()
+        by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
+        fork = self._fork_target(req, by_key)
+        if fork is not None:
+            return self._route_fork(pending_request, fork, by_key, req.trace, started)
         decision, _, need = await self._decide(req, candidate_replicas)
         self._observe(decision, req.trace, started)
         assert pending_request is not None  # it carried the message
         self._plan(pending_request, decision.replica_id, need)  # tracked in blocks here
-        by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
         return [[by_key[decision.replica_id]], *([r] for r in rest)]
 

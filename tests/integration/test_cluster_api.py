@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
+from duet_cluster import wait_baseline
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -192,7 +193,11 @@ def test_a_required_tool_choice_returns_the_call(duet, reference, setup):
 @pytest.mark.parametrize("setup", SETUPS)
 def test_n_choices_whole_and_streamed(duet, reference, setup):
     """Each choice is a sequence of its own: greedy choices equal the single-process
-    engine's; usage counts the prompt once and every choice's tokens."""
+    engine's; usage counts the prompt once and every choice's tokens. The choices after
+    the first fork its prompt's KV where it decodes (one prefill, one import), and every
+    block is free afterwards."""
+    pool = "decode" if duet.cfg.mode == "disaggregated" else "aggregated"
+    forks, leases = duet.stats(pool)["num_forks"], _leases_granted(duet)
     ref_text, ref_tokens, _ = reference["completion"]
     r = client(duet).completions.create(model=SMOLLM2_ID, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, n=2)
     assert [(c.index, c.text) for c in r.choices] == [(0, ref_text), (1, ref_text)]
@@ -203,6 +208,17 @@ def test_n_choices_whole_and_streamed(duet, reference, setup):
     ends = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason}
     assert ends == {0: "length", 1: "length", 2: "length"}
     assert chunks[-1].usage.completion_tokens == 3 * 8
+    # Three choices after a first: each forks unless its first ended before it arrived
+    # (then it is computed), which takes that one's last 6-22 tokens in that moment.
+    forked = duet.stats(pool)["num_forks"] - forks
+    assert 1 <= forked <= 3
+    if pool == "decode":  # a choice that forked took no lease: 2 first choices + the unforked
+        assert _leases_granted(duet) - leases <= 2 + 3 - forked
+    wait_baseline(duet, pool)
+
+
+def _leases_granted(duet) -> int:
+    return duet.stats("prefill")["leases_granted"] if duet.cfg.mode == "disaggregated" else 0
 
 
 @pytest.mark.parametrize("setup", SETUPS)

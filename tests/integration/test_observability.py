@@ -213,13 +213,13 @@ def test_metrics_reach_the_ray_metrics_agent_with_pool_and_replica_labels(traced
 
     # Every family a healthy run records is there, with pool and replica labels.
     # (Preemptions, LMCache tier hits, transfer failures, migrations, moves, prefill retries and
-    # speculative drafts appear once they happen: Ray exports no zero counter.)
+    # speculative drafts and forked choices appear once they happen: Ray exports no zero counter.)
     # The autoscaling families come from the goodput policy, which this cluster does not
     # run (tests/integration/test_autoscaling.py reads them).
     quiet = {metrics.PREEMPTIONS.name, metrics.TIER_HIT_TOKENS.name, metrics.TRANSFER_FAILURES.name,
              metrics.MIGRATIONS.name, metrics.MOVES.name, metrics.PREFILL_RETRIES.name, metrics.AUTOSCALE_DESIRED.name,
              metrics.AUTOSCALE_CURRENT.name, metrics.AUTOSCALE_DECISIONS.name, metrics.SPEC_DRAFT_TOKENS.name,
-             metrics.SPEC_ACCEPTED_TOKENS.name, metrics.SPEC_VERIFY_STEPS.name}
+             metrics.SPEC_ACCEPTED_TOKENS.name, metrics.SPEC_VERIFY_STEPS.name, metrics.FORKS.name}
     for family in metrics.FAMILIES:
         if family.name in quiet:
             continue

@@ -121,3 +121,57 @@ def test_best_of_returns_the_candidates_with_the_highest_summed_logprob_and_bill
     assert [(c.index, c.text) for c in parsed.choices] == [(0, "B"), (1, "D")]
     assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens) == (5, 4 * 2)
     assert all(c.logprobs is None for c in parsed.choices)  # ranked by them, shown only when asked for
+
+
+def _reqs(n: int):
+    return [call(n, seed=1).to_pool(None, i) for i in range(n)]
+
+
+async def test_other_choices_fork_the_first_once_it_decodes():
+    """`pipeline.choices`: the first choice runs at once; the others start once it has
+    produced `fork_after_tokens` tokens, and name it in `fork_of` (to fork its KV)."""
+    started: list[tuple[str, str | None, int]] = []
+    produced = 0
+
+    def run(req):
+        async def gen():
+            nonlocal produced
+            started.append((req.request_id, req.fork_of, produced))
+            for i in range(3):
+                await asyncio.sleep(0)
+                if req.request_id.endswith("-0"):
+                    produced += 1
+                yield [out(req.request_id, "x", FinishReason.LENGTH if i == 2 else None)]
+        return gen()
+
+    got = [o async for o in pipeline.choices(run, _reqs(3), fork_after_tokens=2)]
+    assert len(got) == 9
+    assert started[0] == ("chatcmpl-x-0", None, 0)
+    assert sorted(started[1:]) == [("chatcmpl-x-1", "chatcmpl-x-0", 2), ("chatcmpl-x-2", "chatcmpl-x-0", 2)]
+
+
+async def test_choices_run_unforked_when_the_first_ends_before_decoding():
+    """A first choice that ends at its first token (or fails) has nothing to fork: the
+    others run as it did, and a failure still ends them all."""
+    started: list[str | None] = []
+
+    def run(req):
+        async def gen():
+            started.append(req.fork_of)
+            yield [out(req.request_id, "x", FinishReason.LENGTH)]
+        return gen()
+
+    got = [o async for o in pipeline.choices(run, _reqs(2), fork_after_tokens=2)]
+    assert len(got) == 2 and started == [None, None]
+
+    def failing(req):
+        async def gen():
+            await asyncio.sleep(0)
+            if req.request_id.endswith("-0"):
+                raise RuntimeError("boom")
+            yield [out(req.request_id, "x")]
+        return gen()
+
+    with pytest.raises(RuntimeError, match="boom"):
+        async for _ in pipeline.choices(failing, _reqs(2), fork_after_tokens=2):
+            pass

@@ -190,3 +190,32 @@ def test_the_cluster_view_joins_both_routers():
     v = asyncio.run(run())
     assert (v.prefill_queued_tokens, v.prefill_cached_tokens) == (120, 0)
     assert (v.decode_cached_tokens, v.decode_running, v.decode_fits) == (8 * BS, 2, True)
+
+
+def test_a_forked_choice_goes_where_its_sibling_runs_while_it_runs():
+    """`PrefillRequest.fork_of`: the decode router sends the choice to the replica its
+    sibling's call went to (whatever load says), and decides as usual once that call
+    completed or that replica left."""
+    import dataclasses
+
+    r = decode_router()
+    busy, idle = decode_replica("a", num_requests=6), decode_replica("b")
+    sibling = pending([7] * 40)
+    sibling.metadata.call_method = "generate"
+    r.on_request_routed(sibling, busy.replica_id, None)  # the sibling's call runs on the busy one
+
+    def fork() -> SimpleNamespace:
+        pr = pending([7] * 40)
+        pr.metadata.call_method = "generate"
+        pr.args = (dataclasses.replace(pr.args[0], fork_of=sibling.args[0].request_id),)
+        return pr
+
+    ranked = asyncio.run(r.choose_replicas([busy, idle], fork()))
+    assert [x[0].replica_id.unique_id for x in ranked] == ["a", "b"] and r.decisions["fork"] == 1
+    r.on_request_completed(busy.replica_id, sibling.metadata.internal_request_id)
+    ranked = asyncio.run(r.choose_replicas([busy, idle], fork()))
+    assert ranked[0][0].replica_id.unique_id == "b" and r.decisions["fork"] == 1
+    r.on_request_routed(sibling, busy.replica_id, None)
+    r.remove_replica("decode#a")  # it left: the sibling's place is forgotten with it
+    assert asyncio.run(r.choose_replicas([idle], fork()))[0][0].replica_id.unique_id == "b"
+    assert r.decisions["fork"] == 1
