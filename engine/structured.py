@@ -25,7 +25,7 @@ from engine.sampling_params import InvalidRequest
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-Kind = Literal["json_object", "json_schema", "regex", "choice"]
+Kind = Literal["json_object", "json_schema", "regex", "choice", "lark"]
 
 # Compact, deterministic JSON: a small model given free whitespace can spend its whole
 # budget on newlines. ", " and ": " keep the text as people write it.
@@ -38,7 +38,8 @@ _ANY_OBJECT = '{"type": "object"}'
 @dataclass(frozen=True)
 class StructuredOutput:
     """What the output must match. `spec` is the JSON schema's text (json_schema), the
-    pattern (regex), a JSON list of strings (choice), or empty (json_object). `param`
+    pattern (regex), a JSON list of strings (choice), llguidance's Lark grammar (lark:
+    a tool call inside its format's tags), or empty (json_object). `param`
     is the request field it came from, for errors. `prefix`: output tokens an earlier
     pass already produced (a migrated request's continuation resumes the document)."""
 
@@ -81,6 +82,8 @@ def _grammar(kind: Kind, spec: str) -> str:
             text = llguidance.LLMatcher.grammar_from_regex(spec)
         case "choice":
             text = llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in json.loads(spec)))
+        case "lark":
+            text = llguidance.LLMatcher.grammar_from_lark(spec)
         case _:
             raise ValueError(f"unknown structured output kind {kind!r}")
     error = llguidance.LLMatcher.validate_grammar(text)

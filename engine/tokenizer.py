@@ -39,10 +39,18 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return cast(list[str], self.hf.convert_ids_to_tokens(token_ids))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.hf.chat_template:
+    @property
+    def chat_template(self) -> str | None:
+        return cast("str | None", self.hf.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, template: str | None = None) -> str:
+        """`tools`: for a template that renders them itself (routing/openai/tools.py);
+        `template`: used instead of the checkpoint's (`gateway.chat_template`)."""
+        if not (template or self.hf.chat_template):
             raise ValueError("this model has no chat template; use the completions endpoint")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
         return cast(str, text)
 
 

@@ -32,8 +32,14 @@ class GatewayConfig(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     # Most sequences one request may ask for, as choices (`n`) or as completion
     # candidates (`best_of`): 400 above it. Each is its own sequence through the pools,
-    # so n choices cost n requests' compute.
+    # so n choices cost n requests' decode (their prompt's KV is forked, computed once).
     max_n: int = Field(8, ge=1, le=128)
+    # How the model writes tool calls (routing/openai/tools.py): `hermes` (a chat
+    # template that renders `tools` and writes calls in <tool_call> tags), `duet` (any
+    # other: duet describes the tools and parses a JSON object), `auto` (from the template).
+    tool_format: Literal["auto", "duet", "hermes"] = "auto"
+    # A Jinja chat template file used instead of the checkpoint's (None: the checkpoint's).
+    chat_template: str | None = None
     # A larger request body is refused with 413 before it is parsed.
     max_body_bytes: int = Field(4 << 20, ge=1024)
     # A decode replica that dies mid-stream: continue the request elsewhere (re-prefill

@@ -9,6 +9,7 @@ the right status; an error after streaming began is sent as a final SSE event.
 
 import asyncio
 import logging
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -57,6 +58,7 @@ from routing.openai.stream import (
     merge_choices,
     sse_error,
 )
+from routing.openai.tools import tool_format
 from routing.router import view as router_view
 from telemetry import metrics, tracing
 from telemetry.config import TelemetryConfig
@@ -115,6 +117,8 @@ class Gateway:
         self.model_name = served_model_name(self.engine_cfg)
         self.max_model_len = self.engine_cfg.max_model_len
         self.tokenizer = load_tokenizer(self.engine_cfg.model)
+        self.chat_template = Path(self.cfg.chat_template).read_text() if self.cfg.chat_template else None
+        self.tool_format = tool_format(self.chat_template or self.tokenizer.chat_template, self.cfg.tool_format)
         self.prefill, self.decode, self.aggregated = prefill, decode, aggregated
         tracing.setup_tracing(TelemetryConfig.model_validate(telemetry or {}), "gateway")
         # Not `self.metrics`: that name is the /metrics route below.
@@ -191,8 +195,10 @@ class Gateway:
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat(self, request: Request):
         key, req = await self._accept(request, ChatCompletionRequest)
+        req.use_tool_format(self.tool_format)
         try:
-            text = self.tokenizer.apply_chat_template(req.template_messages(), req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(req.template_messages(), req.add_generation_prompt,
+                                                      req.template_tools(), self.chat_template)
         except Exception as e:
             raise invalid_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
         ids = await asyncio.to_thread(self.tokenizer.encode, text)

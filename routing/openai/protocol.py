@@ -22,6 +22,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -31,7 +32,7 @@ from pydantic import (
 from engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, InvalidRequest, SamplingParams
 from engine.structured import StructuredOutput
 from routing.openai.errors import context_length_exceeded, from_validation_error, invalid_request
-from routing.openai.tools import Tool, ToolCall, ToolCallDelta, ToolChoice, ToolUse, call_text
+from routing.openai.tools import DUET, Tool, ToolCall, ToolCallDelta, ToolChoice, ToolFormat, ToolUse
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -108,19 +109,37 @@ class ChatMessage(_Request):
 
     @property
     def text(self) -> str:
+        """The content's text (earlier calls not included)."""
         if self.content is None:
-            parts: list[str] = []
-        elif isinstance(self.content, str):
-            parts = [self.content]
-        else:
-            parts = [p.text for p in self.content]
-        parts += [call_text(c) for c in self.tool_calls or ()]
-        return "\n".join(p for p in parts if p)
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content if p.text)
 
-    def template_dict(self) -> dict[str, str]:
+    def template_dict(self, fmt: ToolFormat = DUET) -> dict[str, Any]:
+        """The message as the chat template takes it. A template that renders tools
+        itself (`fmt.native`) gets an assistant's calls and a tool result's call id as
+        fields; any other gets the calls written into the content, in `fmt`."""
         # Llama-family templates know no "developer" role; it is OpenAI's new name for system.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text}
+        if not fmt.native:
+            calls = [fmt.call_text(c) for c in self.tool_calls or ()]
+            return {"role": role, "content": "\n".join(p for p in (self.text, *calls) if p)}
+        out: dict[str, Any] = {"role": role, "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(text: str) -> object:
+    """A call's arguments as templates render them: the object, or the text if it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class JsonSchemaFormat(_Request):
@@ -270,6 +289,7 @@ def resolve_max_tokens(
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    _tool_format: ToolFormat = PrivateAttr(default=DUET)
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
@@ -277,7 +297,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True  # (ext)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted: a reply makes at most one call
+    # Accepted. Under "required" or a named choice a reply makes exactly one call; under
+    # "auto" duet's format makes at most one, a native one (hermes) as many as the model writes.
+    parallel_tool_calls: bool | None = None
     best_of: Any = None  # (ext) completions only: refused above 1
     functions: Any = None  # deprecated by OpenAI for tools: refused unless empty
     function_call: Any = None
@@ -305,19 +327,30 @@ class ChatCompletionRequest(_SamplingRequest):
     def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse_unless_harmless(v, info)
 
+    def use_tool_format(self, fmt: ToolFormat) -> None:
+        """How the served model writes calls (the gateway's `tool_format`; duet's own by default)."""
+        self._tool_format = fmt
+
     def tool_use(self) -> ToolUse | None:
         """The tools the reply may call (None: it calls none); a 400 if they do not fit."""
         try:
-            return ToolUse.of(self.tools, self.tool_choice)
+            return ToolUse.of(self.tools, self.tool_choice, self._tool_format)
         except ValueError as e:
             raise invalid_request(str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from e
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template wants them: role and plain-text content, the
-        callable tools described in the system message."""
-        messages = [m.template_dict() for m in self.messages]
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools for a chat template that renders them itself; None for any other."""
         use = self.tool_use()
-        if use is not None:
+        return use.template_tools() if use is not None and use.format.native else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template wants them. With duet's tool format, the
+        callable tools are described in the system message; a native template gets
+        them apart (`template_tools`)."""
+        fmt = self._tool_format
+        messages = [m.template_dict(fmt) for m in self.messages]
+        use = self.tool_use()
+        if use is not None and not fmt.native:
             if messages[0]["role"] == "system":
                 messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + use.system_prompt()}
             else:

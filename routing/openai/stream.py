@@ -225,7 +225,7 @@ class ChatStream(_Stream):
         super().__init__(*args, **kwargs)
         self._sent_role = False
         self.tools = tools
-        self._call = CallStream() if tools is not None and tools.choice != "auto" else None
+        self._call = CallStream(tools.format) if tools is not None and tools.choice != "auto" else None
         self._held: list[Delta] | None = [] if tools is not None and self._call is None else None
 
     def chunk(self, deltas: Sequence[Delta]) -> str:
@@ -233,7 +233,7 @@ class ChatStream(_Stream):
         m = merge_deltas(deltas)
         self._absorb(m)
         if self._call is not None:
-            pieces = self._call.feed(m.text, m.finish_reason)
+            pieces = self._call.feed(m.text)
             finish = "tool_calls" if m.finish_reason == "stop" else m.finish_reason
             if not pieces and finish is None:
                 return ""
@@ -241,12 +241,13 @@ class ChatStream(_Stream):
         if self._held is not None and self.tools is not None:
             self._held.extend(deltas)
             m = merge_deltas(self._held)
-            if m.finish_reason is None and (self.tools.choice != "auto" or m.text.lstrip()[:1] in ("", "{")):
+            if m.finish_reason is None and (self.tools.choice != "auto" or self.tools.format.may_start_call(m.text)):
                 return ""
             self._held = None
-            call = self.tools.parse(m.text) if m.finish_reason is not None else None
-            if call is not None:
-                return self._event(DeltaMessage(tool_calls=[ToolCallDelta(**call.model_dump())]), m, "tool_calls")
+            calls = self.tools.parse(m.text) if m.finish_reason is not None else []
+            if calls:
+                deltas_ = [ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(calls)]
+                return self._event(DeltaMessage(tool_calls=deltas_), m, "tool_calls")
         if self._sent_role and not m.text and not m.token_ids and m.finish_reason is None:
             return ""
         return self._event(DeltaMessage(content=m.text), m, m.finish_reason)
@@ -362,10 +363,10 @@ def build_chat_response(
     that is a call comes back as `tool_calls` (finish reason "tool_calls")."""
     m = merge_deltas(deltas)
     lp = chat_logprobs(m.logprobs or [], token_text) if logprobs else None
-    call: ToolCall | None = tools.parse(m.text) if tools is not None and m.finish_reason else None
-    message = ChatResponseMessage(content=m.text) if call is None else ChatResponseMessage(tool_calls=[call])
+    calls: list[ToolCall] = tools.parse(m.text) if tools is not None and m.finish_reason else []
+    message = ChatResponseMessage(tool_calls=calls) if calls else ChatResponseMessage(content=m.text)
     choice = ChatCompletionChoice(
-        message=message, logprobs=lp, finish_reason="tool_calls" if call is not None else m.finish_reason
+        message=message, logprobs=lp, finish_reason="tool_calls" if calls else m.finish_reason
     )
     return ChatCompletionResponse(
         id=response_id, created=created or int(time.time()), model=model, choices=[choice], usage=_usage(m)

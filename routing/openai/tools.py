@@ -1,23 +1,31 @@
-"""Tool calls (OpenAI's `tools` and `tool_choice`) for a model with no tool-call format
-of its own, such as the embedded SmolLM2: the tools are described to the model in a
-system message, and a call is the whole reply as one JSON object,
-`{"name": <a tool's name>, "arguments": {...}}`.
+"""Tool calls (OpenAI's `tools` and `tool_choice`), in one of two formats
+(`ToolFormat`), chosen by what the checkpoint's chat template knows:
 
-- `tool_choice` "required", or a named function: the reply is constrained to such an
-  object by a JSON schema (one alternative per allowed tool, each with its own
-  `parameters`), so it is always a well-formed call of an offered tool;
+- **duet** (a template that knows no tools, such as the embedded SmolLM2's): the
+  tools are described to the model in a system message, and a call is the whole reply
+  as one JSON object, `{"name": <a tool's name>, "arguments": {...}}`; earlier calls
+  go back into the prompt in that form.
+- **hermes** (a template that renders `tools` and writes calls in `<tool_call>` tags,
+  as Hermes, Qwen 2.5/3 and many Llama fine-tunes do): the template itself gets the
+  tools, the earlier calls and the `tool` results; a call is
+  `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, and a reply may make
+  several.
+
+In both:
+
+- `tool_choice` "required", or a named function: the reply is constrained to one
+  call (one alternative per allowed tool, each with its own `parameters` schema), so
+  it is always a well-formed call of an offered tool;
 - "auto" (the default when tools are given): the model decides. A reply that is
-  exactly such an object is returned as a call, anything else as content (what vLLM's
-  tool parsers do);
+  only calls is returned as calls, anything else as content (what vLLM's tool
+  parsers do);
 - "none": the tools are not shown and nothing is parsed.
 
-One call per reply: `parallel_tool_calls` is accepted, and the model may make one.
-
 Streamed, a call under "required" or a named choice goes out as OpenAI streams one: a
-first `delta.tool_calls` entry with the id and the name once the reply's head
+first `delta.tool_calls` entry with the id and the name once the call's head
 (`{"name": ..., "arguments": `) is complete, then the arguments' text in fragments as
 it is generated (`CallStream`). Under "auto" the reply is held until it is known to be
-a call (it ends as one) or not (it does not start with `{`).
+calls (it ends as calls) or not (it cannot start as one).
 """
 
 from __future__ import annotations
@@ -97,18 +105,114 @@ class ToolCallDelta(BaseModel):
     function: FunctionCallDelta
 
 
-# A call's head, as the model writes it (the grammar writes exactly `{"name": "x", "arguments": `).
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
+# A call's JSON head, as the model writes it (the grammar writes exactly `{"name": "x", "arguments": `).
+_HEAD = r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*'
+# Compact JSON inside a call's grammar, as engine/structured.py writes documents.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _arguments_text(text: str) -> str | None:
-    """The raw text of a whole call's arguments (the outer object's `}` cut), or None
-    if `text` does not start with a call's head."""
-    head = _HEAD.match(text)
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one family of models writes a tool call: the text around the call's JSON
+    object, and whether its chat template renders the tools, earlier calls and their
+    results itself (`native`) or duet describes them in plain messages."""
+
+    name: Literal["duet", "hermes"]
+    native: bool
+    open: str = ""
+    close: str = ""
+
+    @property
+    def head(self) -> re.Pattern[str]:
+        return re.compile(r"\s*" + re.escape(self.open.strip()) + _HEAD if self.open else _HEAD)
+
+    def grammar(self, call_schema: dict[str, Any]) -> StructuredOutput:
+        """One call whose JSON object follows `call_schema`, with this format's tags."""
+        if not self.open and not self.close:
+            return StructuredOutput.json_schema(call_schema, param="tools")
+        schema = {**call_schema, "x-guidance": _JSON_STYLE}
+        lark = f"start: {json.dumps(self.open)} call {json.dumps(self.close)}\ncall: %json {json.dumps(schema)}"
+        return StructuredOutput("lark", lark, "tools")
+
+    def split(self, text: str) -> list[str] | None:
+        """The JSON text of each call when `text` is only calls (blanks between), else None."""
+        if not self.open:
+            return [text]
+        parts: list[str] = []
+        rest = text.strip()
+        while rest:
+            if not rest.startswith(self.open.strip()):
+                return None
+            end = rest.find(self.close.strip())
+            if end < 0:
+                return None
+            parts.append(rest[len(self.open.strip()):end])
+            rest = rest[end + len(self.close.strip()):].lstrip()
+        return parts or None
+
+    def may_start_call(self, text: str) -> bool:
+        """Whether `text` (a reply so far) can still turn out to be calls."""
+        start = text.lstrip()
+        opening = (self.open.strip() or "{")
+        return start.startswith(opening) or opening.startswith(start)
+
+    def call_text(self, call: ToolCall) -> str:
+        """An earlier call, as the model would have written it."""
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            arguments = call.function.arguments
+        return self.open + json.dumps({"name": call.function.name, "arguments": arguments}) + self.close
+
+
+DUET = ToolFormat("duet", native=False)
+HERMES = ToolFormat("hermes", native=True, open="<tool_call>\n", close="\n</tool_call>")
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (DUET, HERMES)}
+
+
+def tool_format(chat_template: str | None, configured: str = "auto") -> ToolFormat:
+    """The format of `gateway.tool_format`; "auto": hermes for a chat template that
+    renders `tools` and writes `<tool_call>` tags, duet's own for any other."""
+    if configured != "auto":
+        return FORMATS[configured]
+    template = chat_template or ""
+    return HERMES if "tools" in template and "<tool_call>" in template else DUET
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array starting at `text[start:]` (after blanks) ends,
+    one past its closing bracket; None while it is still open."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif not c.isspace() and depth == 0:
+            return None  # not an object: the caller's parse refuses it
+    return None
+
+
+def _arguments_text(call_json: str) -> str | None:
+    """The raw text of a call's arguments as written, or None if `call_json` does not
+    start with a call's head."""
+    head = re.compile(_HEAD).match(call_json)
     if head is None:
         return None
-    rest = text[head.end():].rstrip()
-    return rest[:-1].rstrip() if rest.endswith("}") else None
+    end = _value_end(call_json, head.end())
+    return call_json[head.end():end] if end is not None else None
 
 
 @dataclass(frozen=True)
@@ -117,9 +221,10 @@ class ToolUse:
 
     tools: tuple[Tool, ...]
     choice: Literal["auto", "required"] | str  # a tool's name: that tool must be called
+    format: ToolFormat = DUET
 
     @classmethod
-    def of(cls, tools: list[Tool] | None, choice: ToolChoice | None) -> ToolUse | None:
+    def of(cls, tools: list[Tool] | None, choice: ToolChoice | None, fmt: ToolFormat = DUET) -> ToolUse | None:
         """None when no tool can be called (no tools, or tool_choice "none"); a
         ValueError naming the problem when the choice does not fit the tools."""
         if isinstance(choice, NamedToolChoice):
@@ -137,7 +242,7 @@ class ToolUse:
             return None
         if wanted not in ("auto", "required") and wanted not in names:
             raise ValueError(f"tool_choice names {wanted!r}, which is not one of the tools")
-        return cls(tuple(tools), wanted)
+        return cls(tuple(tools), wanted, fmt)
 
     @property
     def callable(self) -> tuple[Tool, ...]:
@@ -145,7 +250,12 @@ class ToolUse:
             return self.tools
         return tuple(t for t in self.tools if t.function.name == self.choice)
 
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The callable tools as a native chat template takes them (OpenAI's form)."""
+        return [t.model_dump(exclude_none=True) for t in self.callable]
+
     def system_prompt(self) -> str:
+        """The tools described for a model whose template knows none (duet's format)."""
         specs = [{"name": t.function.name, "description": t.function.description or "",
                   "parameters": t.function.parameters or {"type": "object", "properties": {}}}
                  for t in self.callable]
@@ -165,49 +275,55 @@ class ToolUse:
                   "required": ["name", "arguments"], "additionalProperties": False}
                  for t in self.callable]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return StructuredOutput.json_schema(schema, param="tools")
+        return self.format.grammar(schema)
 
-    def parse(self, text: str) -> ToolCall | None:
-        """The call `text` makes, if it is exactly one call of a callable tool."""
+    def parse(self, text: str) -> list[ToolCall]:
+        """The calls `text` makes when it is only calls of callable tools (duet's format:
+        exactly one); [] when it is anything else (then it is content)."""
+        parts = self.format.split(text)
+        calls = [self._call(part) for part in parts or ()]
+        return [c for c in calls if c is not None] if all(calls) else []
+
+    def _call(self, call_json: str) -> ToolCall | None:
         try:
-            doc = json.loads(text)
+            doc = json.loads(call_json)
         except ValueError:
             return None
         names = {t.function.name for t in self.callable}
         if not (isinstance(doc, dict) and set(doc) == {"name", "arguments"} and doc["name"] in names
                 and isinstance(doc["arguments"], dict)):
             return None
-        raw = _arguments_text(text)  # as written, so a streamed call's fragments add up to the same
+        raw = _arguments_text(call_json)  # as written, so a streamed call's fragments add up to the same
         arguments = raw if raw is not None and _loads(raw) == doc["arguments"] else json.dumps(doc["arguments"])
         return ToolCall(function=FunctionCall(name=doc["name"], arguments=arguments))
 
 
 class CallStream:
-    """One reply under "required" or a named choice (always a call), as stream pieces:
-    the head once its name is known, then argument text as it comes. The outer
-    object's closing `}` (and blanks before it) is held back until the reply ends."""
+    """One reply under "required" or a named choice (always one call), as stream
+    pieces: the head once its name is known, then the arguments' text as it comes,
+    up to the arguments' own closing bracket (what follows closes the call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: ToolFormat = DUET) -> None:
         self.text = ""
         self.started = False
+        self._head = fmt.head
         self._sent = 0  # argument characters sent
         self._start = 0  # where the arguments begin in `text`
 
-    def feed(self, text: str, finish_reason: str | None) -> list[ToolCallDelta]:
-        """The pieces `text` completes; `finish_reason`: set on the reply's last text
-        ("stop": the call is whole, its closing `}` is dropped; else all is sent)."""
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        """The pieces `text` completes."""
         self.text += text
         pieces: list[ToolCallDelta] = []
         if not self.started:
-            head = _HEAD.match(self.text)
+            head = self._head.match(self.text)
             if head is None:
                 return pieces
             self.started, self._start = True, head.end()
             pieces.append(ToolCallDelta(id=_call_id(), type="function",
                                         function=FunctionCallDelta(name=head.group(1), arguments="")))
-        args = self.text[self._start:].rstrip()
-        if finish_reason in (None, "stop") and args.endswith("}"):  # may close (or closes) the call itself
-            args = args[:-1].rstrip()
+        while not self._sent and self.text[self._start:self._start + 1].isspace():
+            self._start += 1  # blanks after `"arguments":` that came after the head matched
+        args = self.text[self._start:_value_end(self.text, self._start)]
         if len(args) > self._sent:
             pieces.append(ToolCallDelta(function=FunctionCallDelta(arguments=args[self._sent:])))
             self._sent = len(args)
@@ -219,12 +335,3 @@ def _loads(text: str) -> object:
         return json.loads(text)
     except ValueError:
         return None
-
-
-def call_text(call: ToolCall) -> str:
-    """An earlier call of the conversation, as the model would have written it."""
-    try:
-        arguments = json.loads(call.function.arguments)
-    except ValueError:
-        arguments = call.function.arguments
-    return json.dumps({"name": call.function.name, "arguments": arguments})

@@ -77,6 +77,7 @@ CHAOS_MAX_TOKENS = 12
 FUZZ_MAX_TOKENS = 2
 AUTO_LOCAL_MAX_TOKENS = 64
 AUTO_RESILIENT_LOCAL_MAX_TOKENS = 16
+HERMES_TEMPLATE = REPO / "deploy" / "chat_templates" / "hermes_tools.jinja"
 
 # The "autoscaling" cluster's TTFT SLO and capacity profile.
 AUTOSCALE_TTFT_SLO_MS = 1500
@@ -168,9 +169,12 @@ CLUSTERS: dict[str, dict] = {
     # `auto` with two decode replicas (test_auto_migration.py kills one): a prompt of a
     # few token ids is prefilled on decode, so its decode replica holds the only copy of
     # its KV when it dies.
+    # Its chat template renders tools the Hermes way (test_native_tools.py); its other
+    # test sends completions, which no template touches.
     "auto-resilient": {
         "decode.replicas": 2,
         "router.disaggregation": {"mode": "auto", "max_local_prompt_tokens": AUTO_RESILIENT_LOCAL_MAX_TOKENS},
+        "gateway.chat_template": str(HERMES_TEMPLATE),
     },
     # The soak's: two replicas per pool, the Redis prefix index, CPU and
     # Redis KV tiers (16-token chunks: the prompts are short), a 90 s request deadline,

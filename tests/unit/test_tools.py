@@ -6,6 +6,7 @@ types parse what the gateway sends)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -14,7 +15,7 @@ from engine.sampling_params import SamplingParams
 from routing.openai.errors import APIError
 from routing.openai.protocol import ChatCompletionRequest, parse_request
 from routing.openai.stream import ChatStream, build_chat_response
-from routing.openai.tools import ToolUse
+from routing.openai.tools import DUET, HERMES, ToolUse, tool_format
 
 pytestmark = pytest.mark.unit
 
@@ -91,12 +92,12 @@ def test_required_and_named_choices_are_grammars_auto_is_not():
 
 def test_a_reply_is_a_call_only_when_it_is_exactly_one_call():
     use = ToolUse.of(chat(tools=[WEATHER]).tools, "auto")
-    call = use.parse('{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    (call,) = use.parse('{"name": "get_weather", "arguments": {"city": "Oslo"}}')
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
     assert call.id.startswith("call_")
     for text in ('{"name": "get_time", "arguments": {}}', '{"name": "get_weather"}', "It is sunny.",
                  '{"name": "get_weather", "arguments": {}, "x": 1}', '{"name": "get_weather", "arguments": 3}'):
-        assert use.parse(text) is None, text
+        assert use.parse(text) == [], text
 
 
 def test_whole_response_with_a_call_and_with_text():
@@ -156,7 +157,95 @@ def test_the_engine_makes_a_well_formed_call_when_required(engine):
                                                 engine.model_config.vocab_size)
     sp.temperature = 0
     out = engine.generate([prompt], sp)[0]
-    call = req.tool_use().parse(out.text)
-    assert call is not None, out.text
+    (call,) = req.tool_use().parse(out.text)
     if call.function.name == "get_weather":
         assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+
+# --------------------------------------------------------------- a native (hermes) format
+HERMES_TEMPLATE = (Path(__file__).parents[2] / "deploy" / "chat_templates" / "hermes_tools.jinja").read_text()
+
+
+def hermes_chat(**body) -> ChatCompletionRequest:
+    req = chat(**body)
+    req.use_tool_format(HERMES)
+    return req
+
+
+def test_the_format_follows_the_chat_template(engine):
+    assert tool_format(engine.tokenizer.chat_template) is DUET  # SmolLM2's knows no tools
+    assert tool_format(HERMES_TEMPLATE) is HERMES
+    assert tool_format(HERMES_TEMPLATE, "duet") is DUET and tool_format(None, "hermes") is HERMES
+
+
+def test_a_native_template_renders_the_tools_the_calls_and_the_results(engine):
+    history = [{"role": "system", "content": "Be brief."}, *MSGS,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    req = hermes_chat(messages=history, tools=[WEATHER, TIME])
+    msgs = req.template_messages()
+    assert msgs[0] == {"role": "system", "content": "Be brief."}  # no duet description: the template has them
+    assert msgs[2]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert msgs[3] == {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}
+    assert [t["function"]["name"] for t in req.template_tools()] == ["get_weather", "get_time"]
+    text = engine.tokenizer.apply_chat_template(msgs, True, req.template_tools(), HERMES_TEMPLATE)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in text
+    assert hermes_chat(tools=[WEATHER], tool_choice="none").template_tools() is None
+
+
+def test_hermes_replies_are_calls_only_when_they_are_only_calls():
+    use = ToolUse.of(chat(tools=[WEATHER, TIME]).tools, "auto", HERMES)
+    two = use.parse('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+                    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert [(c.function.name, c.function.arguments) for c in two] == [
+        ("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+    for text in ('{"name": "get_time", "arguments": {}}', "Sunny.", "<tool_call>\n{}\n</tool_call>",
+                 'Sure. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+                 '<tool_call>\n{"name": "get_time", "arguments": {}}'):
+        assert use.parse(text) == [], text
+    assert use.format.may_start_call(" <tool_") and not use.format.may_start_call("{")
+
+
+def test_a_required_hermes_call_streams_as_openai_streams_one():
+    use = ToolUse.of(chat(tools=[WEATHER]).tools, "required", HERMES)
+    pieces = ["<tool_", 'call>\n{"name": "get_weather", "argu', 'ments":', ' {"city": "R', 'ome"}', "}\n</tool", "_call>"]
+    outs = [Out(p, "stop" if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
+    events = [e for e in _chunks(ChatStream("c", "m", tools=use), outs) if e]
+    chunks = [ChatCompletionChunk.model_validate(json.loads(e.removeprefix("data: "))) for e in events]
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+    assert calls[0].function.name == "get_weather"
+    assert "".join(t.function.arguments for t in calls) == '{"city": "Rome"}'
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_several_hermes_calls_under_auto_come_back_with_their_indexes():
+    use = ToolUse.of(chat(tools=[WEATHER, TIME]).tools, "auto", HERMES)
+    text = ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    stream = ChatStream("c", "m", tools=use)
+    events = [e for e in (stream.chunk([Out(text[:30])]), stream.chunk([Out(text[30:], "stop")])) if e]
+    (chunk,) = [ChatCompletionChunk.model_validate(json.loads(e.removeprefix("data: "))) for e in events]
+    assert [(t.index, t.function.name) for t in chunk.choices[0].delta.tool_calls] == [(0, "get_time"),
+                                                                                      (1, "get_weather")]
+    whole = build_chat_response("c", "m", [Out(text, "stop")], tools=use)
+    assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_time", "get_weather"]
+
+
+def test_the_engine_makes_a_well_formed_hermes_call_when_required(engine):
+    """Under the native template, "required" constrains the reply to one call inside
+    the format's tags (a Lark grammar around the call's JSON schema)."""
+    req = hermes_chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    text = engine.tokenizer.apply_chat_template(req.template_messages(), True, req.template_tools(), HERMES_TEMPLATE)
+    prompt = engine.tokenizer.encode(text)
+    sp: SamplingParams = req.to_sampling_params(len(prompt), engine.cfg.max_model_len, None,
+                                                engine.model_config.vocab_size)
+    assert sp.structured.kind == "lark"
+    sp.temperature = 0
+    out = engine.generate([prompt], sp)[0]
+    assert out.text.startswith("<tool_call>\n") and out.text.endswith("\n</tool_call>"), out.text
+    (call,) = req.tool_use().parse(out.text)
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
