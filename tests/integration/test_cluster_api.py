@@ -202,6 +202,8 @@ def test_n_choices_whole_and_streamed(duet, reference, setup):
     r = client(duet).completions.create(model=SMOLLM2_ID, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, n=2)
     assert [(c.index, c.text) for c in r.choices] == [(0, ref_text), (1, ref_text)]
     assert r.usage.completion_tokens == 2 * ref_tokens
+    one = client(duet).completions.create(model=SMOLLM2_ID, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
     chunks = list(client(duet).chat.completions.create(
         model=SMOLLM2_ID, messages=CHAT, max_tokens=8, temperature=1.0, seed=11, n=3, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
