@@ -77,6 +77,7 @@ SERVED_WAYS = ("n choices", "n requests")
 
 def served(a: argparse.Namespace) -> int:
     """The choices through `duet serve` (disaggregated); see the module docstring."""
+    from bench.cluster import pool_stats
     from cluster import serve_cli
     from cluster.config import load_config
     from engine.weights import served_model_name
@@ -94,20 +95,16 @@ def served(a: argparse.Namespace) -> int:
             for n in [n for n in a.n if n > 1]:
                 for way in SERVED_WAYS if r % 2 == 0 else SERVED_WAYS[::-1]:
                     prompt = [rng.randrange(100, vocab) for _ in range(a.prompt_tokens)]
-                    before = _pool_stats(url)
+                    before = pool_stats(url)
                     pt = asyncio.run(_stream(url, model, prompt, n, a.max_tokens, way == "n choices"))
-                    after = _pool_stats(url)
+                    after = pool_stats(url)
                     pt.update({k: after.get(key, 0) - before.get(key, 0) for k, key in _COUNTED.items()})
                     runs.setdefault(f"{n}/{way}", []).append(pt)
                 print(f"  run {r + 1} n={n}: " + ", ".join(
                     f"{w} {runs[f'{n}/{w}'][-1]['all_done_ms']:.0f} ms" for w in SERVED_WAYS), flush=True)
     finally:
         serve_cli.stop()
-    rows = []
-    for key, pts in runs.items():
-        n, way = key.split("/")
-        rows.append({"n": int(n), "way": way, **{k: statistics.median(pt[k] for pt in pts) for k in pts[0]}})
-    rows.sort(key=lambda row: (row["n"], SERVED_WAYS.index(row["way"])))
+    rows = _median_rows(runs, SERVED_WAYS)
     print("| n | way | TTFT first ms | TTFT last ms | all done ms | prefill leases | KV MB moved | forks |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
@@ -125,19 +122,13 @@ _COUNTED = {"leases": ("prefill", "leases_granted"), "kv_bytes": ("decode", "tra
             "forks": ("decode", "num_forks")}
 
 
-def _pool_stats(url: str) -> dict[tuple[str, str], float]:
-    """(pool, stat) -> value, summed over replicas, from the gateway's /metrics."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    out: dict[tuple[str, str], float] = {}
-    for line in text.splitlines():
-        if line.startswith("duet_pool_stat{"):
-            labels, value = line[len("duet_pool_stat{"):].rsplit("} ", 1)
-            kv = dict(part.split("=", 1) for part in labels.split(","))
-            key = (kv["pool"].strip('"'), kv["stat"].strip('"'))
-            out[key] = out.get(key, 0.0) + float(value)
-    return out
+def _median_rows(runs: dict[str, list[dict]], ways: tuple[str, ...]) -> list[dict]:
+    """One row per "n/way" key: the median of each figure over its runs, by n then way."""
+    rows = []
+    for key, pts in runs.items():
+        n, way = key.split("/")
+        rows.append({"n": int(n), "way": way, **{k: statistics.median(pt[k] for pt in pts) for k in pts[0]}})
+    return sorted(rows, key=lambda row: (row["n"], ways.index(row["way"])))
 
 
 async def _stream(url: str, model: str, prompt: list[int], n: int, max_tokens: int, one_request: bool) -> dict:
@@ -205,11 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.setdefault(f"{n}/{way}", []).append(pt)
             print(f"  run {r + 1} n={n}: " + ", ".join(
                 f"{w} {runs[f'{n}/{w}'][-1]['all_done_ms']:.0f} ms" for w in WAYS), flush=True)
-    rows = []
-    for key, pts in runs.items():
-        n, way = key.split("/")
-        rows.append({"n": int(n), "way": way, **{k: statistics.median(pt[k] for pt in pts) for k in pts[0]}})
-    rows.sort(key=lambda row: (row["n"], WAYS.index(row["way"])))
+    rows = _median_rows(runs, WAYS)
     print("| n | way | prompt tokens computed | TTFT first ms | TTFT last ms | all done ms |")
     print("|---:|---|---:|---:|---:|---:|")
     for row in rows:

@@ -26,7 +26,7 @@ from cluster import serve_cli
 from cluster.config import load_config
 
 
-def _pool_stats(url: str) -> dict[tuple[str, str], float]:
+def pool_stats(url: str) -> dict[tuple[str, str], float]:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     out: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
@@ -70,14 +70,14 @@ def bench_handoff(prompt_lens: list[int], requests: int, port: int) -> dict:
         rows = []
         try:
             for n in prompt_lens:
-                before = _pool_stats(url)
+                before = pool_stats(url)
                 with tempfile.TemporaryDirectory() as d:
                     point = run_loadgen(
                         url, Path(d),
                         ["--concurrency", "1", "--num-prompts", str(requests), "--input-len", str(n),
                          "--output-len", "4", "--ignore-eos", "--warmup", "1"],
                     )[0]
-                after = _pool_stats(url)
+                after = pool_stats(url)
                 d_bytes = after[("decode", "transfer_bytes")] - before[("decode", "transfer_bytes")]
                 d_secs = after[("decode", "transfer_seconds")] - before[("decode", "transfer_seconds")]
                 d_count = after[("decode", "transfer_count")] - before[("decode", "transfer_count")]

@@ -32,7 +32,16 @@ from pydantic import (
 from engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, InvalidRequest, SamplingParams
 from engine.structured import StructuredOutput
 from routing.openai.errors import context_length_exceeded, from_validation_error, invalid_request
-from routing.openai.tools import DUET, Tool, ToolCall, ToolCallDelta, ToolChoice, ToolFormat, ToolUse
+from routing.openai.tools import (
+    DUET,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolFormat,
+    ToolUse,
+    parse_arguments,
+)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -128,18 +137,11 @@ class ChatMessage(_Request):
         out: dict[str, Any] = {"role": role, "content": self.text}
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": parse_arguments(c.function.arguments)}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
 
-
-def _arguments(text: str) -> object:
-    """A call's arguments as templates render them: the object, or the text if it is not JSON."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 class JsonSchemaFormat(_Request):

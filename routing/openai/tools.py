@@ -158,10 +158,7 @@ class ToolFormat:
 
     def call_text(self, call: ToolCall) -> str:
         """An earlier call, as the model would have written it."""
-        try:
-            arguments = json.loads(call.function.arguments)
-        except ValueError:
-            arguments = call.function.arguments
+        arguments = parse_arguments(call.function.arguments)
         return self.open + json.dumps({"name": call.function.name, "arguments": arguments}) + self.close
 
 
@@ -294,7 +291,8 @@ class ToolUse:
                 and isinstance(doc["arguments"], dict)):
             return None
         raw = _arguments_text(call_json)  # as written, so a streamed call's fragments add up to the same
-        arguments = raw if raw is not None and _loads(raw) == doc["arguments"] else json.dumps(doc["arguments"])
+        as_written = raw is not None and parse_arguments(raw) == doc["arguments"]
+        arguments = raw if raw is not None and as_written else json.dumps(doc["arguments"])
         return ToolCall(function=FunctionCall(name=doc["name"], arguments=arguments))
 
 
@@ -330,8 +328,9 @@ class CallStream:
         return pieces
 
 
-def _loads(text: str) -> object:
+def parse_arguments(text: str) -> object:
+    """A call's arguments as a value: the JSON's, or the text itself when it is not JSON."""
     try:
         return json.loads(text)
     except ValueError:
-        return None
+        return text

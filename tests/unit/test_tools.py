@@ -212,7 +212,8 @@ def test_hermes_replies_are_calls_only_when_they_are_only_calls():
 
 def test_a_required_hermes_call_streams_as_openai_streams_one():
     use = ToolUse.of(chat(tools=[WEATHER]).tools, "required", HERMES)
-    pieces = ["<tool_", 'call>\n{"name": "get_weather", "argu', 'ments":', ' {"city": "R', 'ome"}', "}\n</tool", "_call>"]
+    pieces = ["<tool_", 'call>\n{"name": "get_weather", "argu', 'ments":', ' {"city": "R', 'ome"}',
+              "}\n</tool", "_call>"]
     outs = [Out(p, "stop" if i == len(pieces) - 1 else None) for i, p in enumerate(pieces)]
     events = [e for e in _chunks(ChatStream("c", "m", tools=use), outs) if e]
     chunks = [ChatCompletionChunk.model_validate(json.loads(e.removeprefix("data: "))) for e in events]
