@@ -105,7 +105,12 @@ def test_scaling_down_moves_the_stopped_replicas_sequences_with_their_kv(deploye
     KV (no prefill, nothing recomputed, the greedy text unchanged), and no other
     replica is restarted. The two streams are the same greedy request and only one of
     them moves: the other, decoded where it started, is the reference."""
-    wait_replicas("decode", 2)
+    # The whole cluster at its size first: a replica an earlier test killed may still be
+    # being replaced (or its actor still exiting), and "no other replica is restarted"
+    # compares the live actors before and after the resize.
+    for pool, n in (("gateway", 1), ("prefill", 2), ("decode", 2)):
+        wait_replicas(pool, n, exact=True)
+        wait_for(lambda pool=pool, n=n: len(live_replicas(pool)) == n, 60, what=f"{n} live {pool} actors")
     before = {pool: live_replicas(pool) for pool in ("gateway", "prefill", "decode")}
     granted = _prefill_leases_granted(duet)
     texts: dict[int, str] = {}
