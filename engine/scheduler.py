@@ -148,12 +148,13 @@ class Scheduler:
         deferred: list[Request] = []  # their prompt's blocks are being computed by another
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            if self._waits_for_parent(req) or self._prefix_being_computed(req):
+            parent = self._sibling(req)
+            # A sibling here that has not computed the prompt yet is waited for, as a shared prefix is.
+            if (parent is not None and not _prompt_computed(parent, req)) or self._prefix_being_computed(req):
                 deferred.append(self.waiting.popleft())
                 if len(deferred) >= self.max_num_seqs:  # a burst on one prefix: look no further
                     break
                 continue
-            parent = self._parent(req)
             if parent is not None:
                 forked = self._admit_fork(req, parent, budget, out)
                 if forked is None:
@@ -182,24 +183,10 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))  # back in their places, ahead of the rest
         return out
 
-    def _parent(self, req: Request) -> Request | None:
-        """The running choice whose prompt KV `req` forks (`fork_of`): same prompt and
-        salt, its prompt computed up to the last token. None: `req` is computed as any
-        request is (no such choice here: it finished, failed, or ran elsewhere)."""
-        parent = self._sibling(req)
-        if (parent is None or parent.status is not RequestStatus.RUNNING
-                or parent.num_computed_tokens < req.num_prompt_tokens - 1):
-            return None
-        return parent
-
-    def _waits_for_parent(self, req: Request) -> bool:
-        """Whether the choice `req` forks is here but has not computed its prompt yet
-        (waiting, or prefilling): then `req` waits for it, as for a shared prefix."""
-        parent = self._sibling(req)
-        return parent is not None and (parent.status is not RequestStatus.RUNNING
-                                       or parent.num_computed_tokens < req.num_prompt_tokens - 1)
-
     def _sibling(self, req: Request) -> Request | None:
+        """The choice whose prompt KV `req` forks (`fork_of`), if it is here with the same
+        prompt and salt; None: `req` is computed as any request is (that choice
+        finished, failed, or ran elsewhere)."""
         if req.fork_of is None or req.num_computed_tokens:
             return None
         parent = self.requests.get(req.fork_of)
@@ -293,6 +280,12 @@ class Scheduler:
             return self.kv.detach(req)
         self.kv.free(req)
         return []
+
+
+def _prompt_computed(parent: Request, child: Request) -> bool:
+    """Whether `parent` runs with the prompt it shares with `child` computed up to its
+    last token (the one a fork computes again)."""
+    return parent.status is RequestStatus.RUNNING and parent.num_computed_tokens >= child.num_prompt_tokens - 1
 
 
 def _common_prefix_len(a: list[bytes], b: list[bytes]) -> int:

@@ -246,8 +246,8 @@ class ChatStream(_Stream):
             self._held = None
             calls = self.tools.parse(m.text) if m.finish_reason is not None else []
             if calls:
-                deltas_ = [ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(calls)]
-                return self._event(DeltaMessage(tool_calls=deltas_), m, "tool_calls")
+                pieces = [ToolCallDelta(index=i, **c.model_dump()) for i, c in enumerate(calls)]
+                return self._event(DeltaMessage(tool_calls=pieces), m, "tool_calls")
         if self._sent_role and not m.text and not m.token_ids and m.finish_reason is None:
             return ""
         return self._event(DeltaMessage(content=m.text), m, m.finish_reason)

@@ -107,6 +107,7 @@ class ToolCallDelta(BaseModel):
 
 # A call's JSON head, as the model writes it (the grammar writes exactly `{"name": "x", "arguments": `).
 _HEAD = r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*'
+_HEAD_RE = re.compile(_HEAD)
 # Compact JSON inside a call's grammar, as engine/structured.py writes documents.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -124,7 +125,7 @@ class ToolFormat:
 
     @property
     def head(self) -> re.Pattern[str]:
-        return re.compile(r"\s*" + re.escape(self.open.strip()) + _HEAD if self.open else _HEAD)
+        return re.compile(r"\s*" + re.escape(self.open.strip()) + _HEAD) if self.open else _HEAD_RE
 
     def grammar(self, call_schema: dict[str, Any]) -> StructuredOutput:
         """One call whose JSON object follows `call_schema`, with this format's tags."""
@@ -205,7 +206,7 @@ def _value_end(text: str, start: int) -> int | None:
 def _arguments_text(call_json: str) -> str | None:
     """The raw text of a call's arguments as written, or None if `call_json` does not
     start with a call's head."""
-    head = re.compile(_HEAD).match(call_json)
+    head = _HEAD_RE.match(call_json)
     if head is None:
         return None
     end = _value_end(call_json, head.end())
@@ -277,9 +278,13 @@ class ToolUse:
     def parse(self, text: str) -> list[ToolCall]:
         """The calls `text` makes when it is only calls of callable tools (duet's format:
         exactly one); [] when it is anything else (then it is content)."""
-        parts = self.format.split(text)
-        calls = [self._call(part) for part in parts or ()]
-        return [c for c in calls if c is not None] if all(calls) else []
+        calls = []
+        for part in self.format.split(text) or ():
+            call = self._call(part)
+            if call is None:
+                return []
+            calls.append(call)
+        return calls
 
     def _call(self, call_json: str) -> ToolCall | None:
         try:
@@ -291,8 +296,8 @@ class ToolUse:
                 and isinstance(doc["arguments"], dict)):
             return None
         raw = _arguments_text(call_json)  # as written, so a streamed call's fragments add up to the same
-        as_written = raw is not None and parse_arguments(raw) == doc["arguments"]
-        arguments = raw if raw is not None and as_written else json.dumps(doc["arguments"])
+        arguments = raw if raw is not None and parse_arguments(raw) == doc["arguments"] \
+            else json.dumps(doc["arguments"])
         return ToolCall(function=FunctionCall(name=doc["name"], arguments=arguments))
 
 
