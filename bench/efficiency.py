@@ -19,6 +19,8 @@ Each way gets its best thread count on this machine: the in-process
 engine `--threads` (2 on 2 cores), the aggregated replica `--served-threads` (1:
 beside the gateway, Serve's proxy, Ray and the client, a second OpenMP thread made
 it slower, docs/benchmarks.md), and each disaggregated pool its configured one.
+`--served-replicas 2` serves the aggregated mode as two one-thread replicas behind
+the aggregated router instead (data parallel across the two cores).
 
 The prompts are loadgen's `random` workload (its seed per point), so the engine
 and the servers see the same words; each point has its own seed, so no point is
@@ -113,12 +115,13 @@ def in_process(points: list[tuple[int, list[str]]], warmup: list[str], output_le
 
 
 def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], input_len: int, output_len: int,
-           served_threads: int, dtype: str, port: int, stream_interval: int) -> list[dict]:
+           served_threads: int, served_replicas: int, dtype: str, port: int, stream_interval: int) -> list[dict]:
     cfg = load_config(overrides={"mode": mode, "gateway.port": port, "engine.dtype": dtype,
                                  "engine.stream_interval": stream_interval})
-    if mode == "aggregated":  # both pools' CPU reservation; its threads: see the module docstring
+    if mode == "aggregated":  # both pools' CPU reservation, shared; its threads: see the module docstring
         cfg.aggregated.threads = served_threads
-        cfg.aggregated.num_cpus = cfg.prefill.num_cpus + cfg.decode.num_cpus
+        cfg.aggregated.replicas = served_replicas
+        cfg.aggregated.num_cpus = (cfg.prefill.num_cpus + cfg.decode.num_cpus) / served_replicas
     url = serve_cli.start(cfg)
     rows = []
     try:
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="the in-process engine's threads")
-    p.add_argument("--served-threads", type=int, default=1, help="the aggregated replica's threads")
+    p.add_argument("--served-threads", type=int, default=1, help="each aggregated replica's threads")
+    p.add_argument("--served-replicas", type=int, default=1, help="aggregated replicas (KV-aware routed)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--stream-interval", type=int, default=1, help="the servers' engine.stream_interval")
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
               for c, s in zip(a.concurrency, seeds)]
     result: dict = {
         "machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
-                    "torch": torch.__version__, "threads": a.threads, "served_threads": a.served_threads},
+                    "torch": torch.__version__, "threads": a.threads, "served_threads": a.served_threads,
+                    "served_replicas": a.served_replicas},
         "workload": {"input_len": a.input_len, "output_len": a.output_len, "dtype": a.dtype,
                      "stream_interval": a.stream_interval,
                      "requests": {c: len(ps) for c, ps in points}},
@@ -186,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     result["in_process"], result["ceilings"] = in_process(points, warmup, a.output_len, a.threads, a.dtype)
     for mode in a.modes:
         print(mode, flush=True)
-        result[mode] = served(mode, points, seeds, a.input_len, a.output_len, a.served_threads, a.dtype, a.port,
-                              a.stream_interval)
+        result[mode] = served(mode, points, seeds, a.input_len, a.output_len, a.served_threads, a.served_replicas,
+                              a.dtype, a.port, a.stream_interval)
     print(table(result))
     write_json(a.json, result)
     return 0

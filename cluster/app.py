@@ -77,26 +77,13 @@ def router_configs(cfg: ClusterConfig) -> dict[str, RequestRouterConfig]:
         return {}
     common = {"request_routing_stats_period_s": r.stats_period_s, "request_routing_stats_timeout_s": 10.0}
     config = r.model_dump()
-    block_size = cfg.engine.block_size
-    prefill = RequestRouterConfig(
-        request_router_class="routing.router.serve_routers.KVAwarePrefillRouter",
-        request_router_kwargs={
-            "config": config,
-            "block_size": block_size,
-            "model_fingerprint": expected_model_fingerprint(cfg.engine),
-        },
-        **common,
-    )
-    decode = RequestRouterConfig(
-        request_router_class="routing.router.serve_routers.KVAwareDecodeRouter",
-        request_router_kwargs={
-            "config": config,
-            "block_size": block_size,
-            "model_fingerprint": expected_model_fingerprint(cfg.engine),
-        },
-        **common,
-    )
-    return {"prefill": prefill, "decode": decode}
+    kwargs = {"config": config, "block_size": cfg.engine.block_size,
+              "model_fingerprint": expected_model_fingerprint(cfg.engine)}
+    classes = {"prefill": "KVAwarePrefillRouter", "decode": "KVAwareDecodeRouter",
+               "aggregated": "KVAwareAggregatedRouter"}
+    return {pool: RequestRouterConfig(request_router_class=f"routing.router.serve_routers.{name}",
+                                      request_router_kwargs=kwargs, **common)
+            for pool, name in classes.items()}
 
 
 def _pool_args(cfg: ClusterConfig, pool: PoolConfig) -> dict:
@@ -129,17 +116,21 @@ def build_app(cfg: ClusterConfig):
     gateway = Gateway.options(**gateway_opts)
     gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump(),
                     "telemetry": _telemetry(cfg), "slo": cfg.slo.model_dump()}
-    if cfg.mode == "aggregated":
-        pool = serve.deployment(AggregatedServer).options(**_options("aggregated", cfg.aggregated))
-        return gateway.bind(**gateway_args, aggregated=pool.bind(**_pool_args(cfg, cfg.aggregated)))
     routers = router_configs(cfg)
+    prefix_index = PrefixIndexConfig.model_validate(cfg.router.model_dump(include=set(PrefixIndexConfig.model_fields)))
+    if cfg.mode == "aggregated":
+        aggregated_opts = _options("aggregated", cfg.aggregated)
+        if routers:
+            aggregated_opts["request_router_config"] = routers["aggregated"]
+        pool = serve.deployment(AggregatedServer).options(**aggregated_opts).bind(
+            **_pool_args(cfg, cfg.aggregated), prefix_index=prefix_index.model_dump() if routers else None)
+        return gateway.bind(**gateway_args, aggregated=pool)
     prefill_opts = _options("prefill", cfg.prefill, drain_at_least_s=cfg.transfer.lease_ttl_s + 5)
     # A draining decode replica's leases (sequences it moved) outlive its calls, too.
     decode_opts = _options("decode", cfg.decode, drain_at_least_s=cfg.transfer.lease_ttl_s + 5)
     if routers:
         prefill_opts["request_router_config"] = routers["prefill"]
         decode_opts["request_router_config"] = routers["decode"]
-    prefix_index = PrefixIndexConfig.model_validate(cfg.router.model_dump(include=set(PrefixIndexConfig.model_fields)))
     prefill = serve.deployment(PrefillServer).options(**prefill_opts).bind(
         **_pool_args(cfg, cfg.prefill),
         transfer=cfg.transfer.model_dump(),

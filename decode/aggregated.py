@@ -2,34 +2,49 @@
 same gateway; the same-hardware baseline for every disaggregated figure.
 
 It lives beside the decode pool because, like it, it streams tokens to the gateway;
-unlike it, it prefills every prompt itself (that is its job, not a fallback).
+unlike it, it prefills every prompt itself (that is its job, not a fallback). With
+the KV-aware router (`router.policy: kv_aware`) it publishes its block pool's KV
+events and load, and the aggregated router places each prompt where its prefix is
+cached without piling a burst on one replica (routing/router/serve_routers.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.async_engine import start_engine
 from engine.config import EngineConfig
 from engine.request import RequestOutput
-from kvtransfer.messages import PrefillRequest
+from kvtransfer.events.config import PrefixIndexConfig
+from kvtransfer.events.publisher import KVEventPublisher
+from kvtransfer.messages import PrefillRequest, RoutingStats
 from kvtransfer.replica import replica_id
 from telemetry import tracing
 from telemetry.replica import ReplicaTelemetry
 from telemetry.tracing import SpanKind
 
+log = logging.getLogger(__name__)
+
 
 class AggregatedServer:
-    """Owns one aggregated-role engine. `engine` is a dumped `EngineConfig`,
-    `telemetry` a `TelemetryConfig`."""
+    """Owns one aggregated-role engine and, when routing is KV-aware, its event publisher.
+    `engine` is a dumped `EngineConfig`, `telemetry` a `TelemetryConfig`, `prefix_index`
+    a `PrefixIndexConfig` (where its KV events go; None: it publishes none)."""
 
-    def __init__(self, engine: dict, threads: int, telemetry: dict | None = None):
+    def __init__(self, engine: dict, threads: int, telemetry: dict | None = None,
+                 prefix_index: dict | None = None):
         self.replica_id = replica_id()
-        self.aengine = start_engine(EngineConfig.model_validate(engine), "aggregated", threads)
+        engine_cfg = EngineConfig.model_validate(engine)
+        self.aengine = start_engine(engine_cfg, "aggregated", threads, kv_events=prefix_index is not None)
+        self.events = None if prefix_index is None else KVEventPublisher(
+            PrefixIndexConfig.model_validate(prefix_index).of_pool("aggregated"), engine_cfg.block_size,
+            self.replica_id, self.aengine.take_kv_events)
         self.telemetry = ReplicaTelemetry(telemetry, "aggregated", self.replica_id,
                                          lambda: self.aengine.stats.as_dict())
+        self._closed = False
 
     async def generate(self, req: PrefillRequest) -> AsyncIterator[list[RequestOutput]]:
         """The whole request, prefill and decode, as batches of outputs."""
@@ -47,8 +62,36 @@ class AggregatedServer:
             async for outs in batches:
                 yield outs
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Read by Serve every `router.stats_period_s` for the aggregated router."""
+        return RoutingStats.of_engine(
+            self.aengine.stats, model_fingerprint=self.aengine.model_fingerprint,
+            kv_log=self.events.window() if self.events is not None else None,
+        ).to_wire()
+
     async def stats(self) -> dict[str, Any]:
-        return {**self.aengine.stats.as_dict(), "replica_id": self.replica_id}
+        return {**self.aengine.stats.as_dict(), "replica_id": self.replica_id,
+                **(self.events.stats() if self.events is not None else {})}
 
     async def check_health(self) -> None:
         self.aengine.check_health()
+
+    def shutdown(self) -> None:
+        """Serve calls this (through `__del__`) once the replica's calls have ended."""
+        if self._closed:
+            return
+        self._closed = True
+        steps = [self.telemetry.close, self.aengine.shutdown]
+        if self.events is not None:
+            steps.append(self.events.close)
+        for close in steps:
+            try:
+                close()
+            except Exception:
+                log.exception("aggregated shutdown step failed")
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -38,7 +38,7 @@ class GatewayMetrics:
 
     def observe_routers(self) -> None:
         """What this process's routers have of their replicas' KV events (at scrape time)."""
-        for pool in ("prefill", "decode"):
+        for pool in ("prefill", "decode", "aggregated"):
             for replica, end in view.event_cursors(pool).items():
                 self.event_cursor.labels(pool, replica).set(end)
 

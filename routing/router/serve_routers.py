@@ -1,4 +1,4 @@
-"""KV-aware Ray Serve request routers for the prefill and decode pools.
+"""KV-aware Ray Serve request routers for the prefill, decode and aggregated pools.
 
 `KVAwarePrefillRouter` is set on the prefill deployment (cluster/app.py) through
 ``RequestRouterConfig``; Serve instantiates it in every process that holds a
@@ -46,7 +46,8 @@ the imbalance guard still win).
 
 `KVAwareDecodeRouter` chooses a decode replica by free KV blocks and running
 sequences (`routing.router.policy.choose_decode`), with the same local in-flight
-correction.
+correction. `KVAwareAggregatedRouter` is its local-prefill choice for the aggregated
+pool, whose replicas prefill every prompt themselves.
 """
 
 from __future__ import annotations
@@ -410,7 +411,7 @@ class KVAwareDecodeRouter(_IndexFollowing, _LoadTracking, RequestRouter):
         self, config: dict | None = None, block_size: int = 16, model_fingerprint: str = "", seed: int | None = None
     ) -> None:
         self.config = RouterConfig.model_validate(config or {})
-        self._init_index(self.config.of_pool("decode"), block_size, model_fingerprint)
+        self._init_index(self.config.of_pool(self.pool), block_size, model_fingerprint)
         self._rng = random.Random(seed)
         self._init_tracking()
 
@@ -472,6 +473,16 @@ class KVAwareDecodeRouter(_IndexFollowing, _LoadTracking, RequestRouter):
         decision, snapshots, need = await self._decide(req, self._running)
         chosen = next(s for s in snapshots if s.replica_id == decision.replica_id)
         return decision.cached_blocks * self.block_size, chosen.running_requests, chosen.free_kv_blocks >= need
+
+
+class KVAwareAggregatedRouter(KVAwareDecodeRouter):
+    """The aggregated pool's router: every call is a `generate(PrefillRequest)` that the
+    replica prefills and decodes itself, so it is the decode router's local-prefill
+    choice (the replica holding the longest prefix, from the aggregated replicas' own
+    KV events; else by running sequences and free blocks), under its own pool name (its
+    metrics, its prefix-index keys) and with the same pin for a forked choice."""
+
+    pool = "aggregated"
 
 
 def _message(pr: PendingRequest | None, method: str, kind: type[_M]) -> _M | None:

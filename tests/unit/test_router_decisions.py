@@ -19,7 +19,7 @@ from engine.kv_events import BlockStored
 from engine.sampling_params import SamplingParams
 from kvtransfer.events.log import KVEventLog
 from kvtransfer.messages import PrefillRequest, RoutingStats
-from routing.router.serve_routers import KVAwareDecodeRouter, KVAwarePrefillRouter
+from routing.router.serve_routers import KVAwareAggregatedRouter, KVAwareDecodeRouter, KVAwarePrefillRouter
 
 pytestmark = pytest.mark.unit
 
@@ -219,3 +219,33 @@ def test_a_forked_choice_goes_where_its_sibling_runs_while_it_runs():
     r.remove_replica("decode#a")  # it left: the sibling's place is forgotten with it
     assert asyncio.run(r.choose_replicas([idle], fork()))[0][0].replica_id.unique_id == "b"
     assert r.decisions["fork"] == 1
+
+
+def test_the_aggregated_router_spreads_a_burst_and_follows_the_prefix():
+    """Two idle aggregated replicas whose reports say nothing yet: a burst of eight
+    goes four and four (each decision sees those before it), and a prompt whose prefix
+    one replica's KV events show goes there, under the aggregated pool's own name."""
+    r = object.__new__(KVAwareAggregatedRouter)
+    r.initialize_state(block_size=BS, model_fingerprint=FP, seed=0)
+
+    def aggregated(name: str, **stats) -> SimpleNamespace:
+        rid = SimpleNamespace(deployment_id=SimpleNamespace(name="aggregated"), unique_id=name)
+        return SimpleNamespace(replica_id=rid, routing_stats=RoutingStats(kv_blocks_free=90, kv_blocks_total=100)
+                               .to_wire() | stats)
+
+    a, b = aggregated("a"), aggregated("b")
+    r._sync([a, b])
+    chosen = []
+    for i in range(8):
+        pr = pending([100 + i] * 40)
+        pr.metadata.call_method = "generate"
+        chosen.append(asyncio.run(r.choose_replicas([a, b], pr))[0][0].replica_id.unique_id)
+    assert sorted(chosen) == ["a"] * 4 + ["b"] * 4
+    assert r._local("aggregated#a")[1] == 4 and r.index_kind == "memory"
+
+    holder = aggregated("b", kv_log=holding(PREFIX).window())
+    r._sync([a, holder])
+    pr = pending(PREFIX + [3] * 20)
+    pr.metadata.call_method = "generate"
+    assert asyncio.run(r.choose_replicas([a, holder], pr))[0][0].replica_id.unique_id == "b"
+    assert r.decisions["prefix"] == 1
