@@ -5,7 +5,7 @@ output lengths run three ways, one after another on the same cores:
 
 1. **in-process**: an `Engine` driven directly, `concurrency` requests in flight
    (a new one added the moment one finishes), no HTTP, no Ray;
-2. **aggregated**: `duet serve --mode aggregated`, driven by `duet bench serve`
+2. **aggregated**: `duet serve --mode aggregated --replicas 2`, driven by `duet bench serve`
    (loadgen, streaming completions, in its own process) over HTTP;
 3. **disaggregated**: 1 prefill + 1 decode replica, driven the same way.
 
@@ -15,12 +15,12 @@ measured in the same run (bench/machine_ceilings.py: memory read GB/s and GEMM G
 on the model's shapes), and the decode ceiling they give at each concurrency, so a
 figure from one day's CPU can be read against what that CPU could do.
 
-Each way gets its best thread count on this machine: the in-process
-engine `--threads` (2 on 2 cores), the aggregated replica `--served-threads` (1:
-beside the gateway, Serve's proxy, Ray and the client, a second OpenMP thread made
-it slower, docs/benchmarks.md), and each disaggregated pool its configured one.
-`--served-replicas 2` serves the aggregated mode as two one-thread replicas behind
-the aggregated router instead (data parallel across the two cores).
+Each way gets its best layout on this machine: the in-process engine `--threads`
+(2 on 2 cores); the aggregated mode `--served-replicas` (2) replicas of
+`--served-threads` (1) each behind the aggregated router: beside the gateway, Serve's
+proxy, Ray and the client, a second OpenMP thread in one replica made it slower, and
+one one-thread replica left a core idle (docs/benchmarks.md); each disaggregated pool
+its configured one (1 prefill + 1 decode replica, one thread each).
 
 The prompts are loadgen's `random` workload (its seed per point), so the engine
 and the servers see the same words; each point has its own seed, so no point is
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="the in-process engine's threads")
     p.add_argument("--served-threads", type=int, default=1, help="each aggregated replica's threads")
-    p.add_argument("--served-replicas", type=int, default=1, help="aggregated replicas (KV-aware routed)")
+    p.add_argument("--served-replicas", type=int, default=2, help="aggregated replicas (KV-aware routed)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--stream-interval", type=int, default=1, help="the servers' engine.stream_interval")
