@@ -11,7 +11,6 @@ cached without piling a burst on one replica (routing/router/serve_routers.py).
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,12 +20,10 @@ from engine.request import RequestOutput
 from kvtransfer.events.config import PrefixIndexConfig
 from kvtransfer.events.publisher import KVEventPublisher
 from kvtransfer.messages import PrefillRequest, RoutingStats
-from kvtransfer.replica import replica_id
+from kvtransfer.replica import close_in_order, replica_id
 from telemetry import tracing
 from telemetry.replica import ReplicaTelemetry
 from telemetry.tracing import SpanKind
-
-log = logging.getLogger(__name__)
 
 
 class AggregatedServer:
@@ -84,11 +81,7 @@ class AggregatedServer:
         steps = [self.telemetry.close, self.aengine.shutdown]
         if self.events is not None:
             steps.append(self.events.close)
-        for close in steps:
-            try:
-                close()
-            except Exception:
-                log.exception("aggregated shutdown step failed")
+        close_in_order(steps, "aggregated")
 
     def __del__(self):
         try:

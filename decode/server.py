@@ -42,7 +42,7 @@ from kvtransfer.events.config import PrefixIndexConfig
 from kvtransfer.events.publisher import KVEventPublisher
 from kvtransfer.handoff import KVExporter, KVImporter
 from kvtransfer.messages import DecodeRequest, PrefillRequest, RoutingStats, SequenceMoved
-from kvtransfer.replica import node_ip, replica_id
+from kvtransfer.replica import close_in_order, node_ip, replica_id
 from telemetry import tracing
 from telemetry.replica import ReplicaTelemetry
 from telemetry.tracing import SpanKind
@@ -250,11 +250,7 @@ class DecodeServer:
         steps = [self.telemetry.close, self.exporter.close, self.backend.close, self.aengine.shutdown]
         if self.events is not None:
             steps.append(self.events.close)
-        for close in steps:
-            try:
-                close()
-            except Exception:
-                log.exception("decode shutdown step failed")
+        close_in_order(steps, "decode")
 
     def __del__(self):
         try:

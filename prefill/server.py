@@ -27,7 +27,7 @@ from kvtransfer.events.config import PrefixIndexConfig
 from kvtransfer.events.publisher import KVEventPublisher
 from kvtransfer.handoff import KVExporter
 from kvtransfer.messages import PrefillRequest, PrefillResult, RoutingStats
-from kvtransfer.replica import node_ip, replica_id
+from kvtransfer.replica import close_in_order, node_ip, replica_id
 from prefill.kv_tier.config import KVTierConfig
 from telemetry import tracing
 from telemetry.replica import ReplicaTelemetry
@@ -184,11 +184,7 @@ class PrefillServer:
         self._closed = True
         steps = (self.telemetry.close, self.exporter.close, self.exporter.backend.close, self.aengine.shutdown,
                  self.events.close)
-        for close in steps:
-            try:
-                close()
-            except Exception:
-                log.exception("prefill shutdown step failed")
+        close_in_order(steps, "prefill")
         if self.tier is not None:
             self.tier.close()
 
