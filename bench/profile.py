@@ -10,7 +10,8 @@ in `record_function` scopes, in its own process only (the engine carries no
 profiling code): the model's forward, its paged attention, and the engine's sampling.
 Each op's own time goes to the innermost scope it ran in:
 
-- matmul: the weight matmuls (`mm`/`addmm` in the forward, outside attention);
+- matmul: the weight matmuls (`mm`/`addmm`, oneDNN's packed linear, the int8 kernel;
+  in the forward, outside attention);
 - attention: everything inside paged attention (the paged-KV gather and layout,
   the score and value matmuls, softmax, masking);
 - element-wise: the rest of the forward (norms, RoPE, SiLU, residuals, embedding);
@@ -39,7 +40,9 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
-MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm"}
+# The weight products in each form they take: plain, oneDNN-packed (fp32 on a CPU) and int8.
+MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
+           "aten::_weight_int8pack_mm"}
 WARM_STEPS = 6
 CATEGORIES = ("matmul", "attention", "element-wise", "sampling", "other ops", "python and dispatch")
 
