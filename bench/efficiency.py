@@ -5,7 +5,7 @@ output lengths run three ways, one after another on the same cores:
 
 1. **in-process**: an `Engine` driven directly, `concurrency` requests in flight
    (a new one added the moment one finishes), no HTTP, no Ray;
-2. **aggregated**: `duet serve --mode aggregated --replicas 2`, driven by `duet bench serve`
+2. **aggregated**: `duet serve --mode aggregated`, driven by `duet bench serve`
    (loadgen, streaming completions, in its own process) over HTTP;
 3. **disaggregated**: 1 prefill + 1 decode replica, driven the same way.
 
@@ -16,11 +16,12 @@ on the model's shapes), and the decode ceiling they give at each concurrency, so
 figure from one day's CPU can be read against what that CPU could do.
 
 Each way gets its best layout on this machine: the in-process engine `--threads`
-(2 on 2 cores); the aggregated mode `--served-replicas` (2) replicas of
-`--served-threads` (1) each behind the aggregated router: beside the gateway, Serve's
-proxy, Ray and the client, a second OpenMP thread in one replica made it slower, and
-one one-thread replica left a core idle (docs/benchmarks.md); each disaggregated pool
-its configured one (1 prefill + 1 decode replica, one thread each).
+(2 on 2 cores); the aggregated mode `--served-replicas` (1) replica of
+`--served-threads` (2), its engine core in a child process (`--engine-thread` puts it
+back on a thread of the replica: with a second OpenMP thread it then lost ~20% to the
+replica's event loop, and two one-thread replicas did no better; docs/benchmarks.md);
+each disaggregated pool its configured one (1 prefill + 1 decode replica, one thread
+each).
 
 The prompts are loadgen's `random` workload (its seed per point), so the engine
 and the servers see the same words; each point has its own seed, so no point is
@@ -115,13 +116,15 @@ def in_process(points: list[tuple[int, list[str]]], warmup: list[str], output_le
 
 
 def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], input_len: int, output_len: int,
-           served_threads: int, served_replicas: int, dtype: str, port: int, stream_interval: int) -> list[dict]:
+           served_threads: int, served_replicas: int, dtype: str, port: int, stream_interval: int,
+           engine_process: bool = True) -> list[dict]:
     cfg = load_config(overrides={"mode": mode, "gateway.port": port, "engine.dtype": dtype,
                                  "engine.stream_interval": stream_interval})
     if mode == "aggregated":  # both pools' CPU reservation, shared; its threads: see the module docstring
         cfg.aggregated.threads = served_threads
         cfg.aggregated.replicas = served_replicas
         cfg.aggregated.num_cpus = (cfg.prefill.num_cpus + cfg.decode.num_cpus) / served_replicas
+        cfg.aggregated.engine_process = engine_process
     url = serve_cli.start(cfg)
     rows = []
     try:
@@ -167,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="the in-process engine's threads")
-    p.add_argument("--served-threads", type=int, default=1, help="each aggregated replica's threads")
-    p.add_argument("--served-replicas", type=int, default=2, help="aggregated replicas (KV-aware routed)")
+    p.add_argument("--served-threads", type=int, default=2, help="each aggregated replica's threads")
+    p.add_argument("--served-replicas", type=int, default=1, help="aggregated replicas (KV-aware routed)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="aggregated replicas run their engine on a thread, not in a child (aggregated.engine_process)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--stream-interval", type=int, default=1, help="the servers' engine.stream_interval")
@@ -181,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         "machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
                     "torch": torch.__version__, "threads": a.threads, "served_threads": a.served_threads,
-                    "served_replicas": a.served_replicas},
+                    "served_replicas": a.served_replicas, "engine_process": not a.engine_thread},
         "workload": {"input_len": a.input_len, "output_len": a.output_len, "dtype": a.dtype,
                      "stream_interval": a.stream_interval,
                      "requests": {c: len(ps) for c, ps in points}},
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in a.modes:
         print(mode, flush=True)
         result[mode] = served(mode, points, seeds, a.input_len, a.output_len, a.served_threads, a.served_replicas,
-                              a.dtype, a.port, a.stream_interval)
+                              a.dtype, a.port, a.stream_interval, not a.engine_thread)
     print(table(result))
     write_json(a.json, result)
     return 0

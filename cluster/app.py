@@ -123,7 +123,8 @@ def build_app(cfg: ClusterConfig):
         if routers:
             aggregated_opts["request_router_config"] = routers["aggregated"]
         pool = serve.deployment(AggregatedServer).options(**aggregated_opts).bind(
-            **_pool_args(cfg, cfg.aggregated), prefix_index=prefix_index.model_dump() if routers else None)
+            **_pool_args(cfg, cfg.aggregated), engine_process=cfg.aggregated.engine_process is not False,
+            prefix_index=prefix_index.model_dump() if routers else None)
         return gateway.bind(**gateway_args, aggregated=pool)
     prefill_opts = _options("prefill", cfg.prefill, drain_at_least_s=cfg.transfer.lease_ttl_s + 5)
     # A draining decode replica's leases (sequences it moved) outlive its calls, too.

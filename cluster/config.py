@@ -57,6 +57,11 @@ class ClusterConfig(Strict):
             # One pool doing both phases has no prefill or decode signals of its own.
             raise ValueError("aggregated.autoscaling.policy: goodput scales a prefill and a decode pool; "
                              "use queue or fixed in aggregated mode")
+        for name in ("prefill", "decode"):
+            if getattr(self, name).engine_process:
+                # Their KV tensor is registered with NIXL and LMCache in the replica's
+                # own process, so their engine stays there.
+                raise ValueError(f"{name}.engine_process: only the aggregated pool runs its engine in its own process")
         return self
 
     def scaled_pools(self, policy: str) -> dict[str, PoolConfig]:

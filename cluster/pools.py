@@ -49,6 +49,11 @@ class PoolConfig(BaseModel):
     num_cpus: float = Field(0.5, gt=0)
     num_gpus: float = Field(0.0, ge=0)
     threads: int = Field(1, ge=1)
+    # Run the replica's engine on the main thread of a child process it owns
+    # (engine/core_process.py) instead of on a side thread of the replica. None: the
+    # pool's default, on for the aggregated pool (measured faster at every
+    # concurrency, docs/benchmarks.md), off for prefill and decode (which cannot yet).
+    engine_process: bool | None = None
     max_ongoing_requests: int = Field(64, ge=1)
     # Only on the nodes that offer `duet/<node_group>` (None: any node).
     node_group: str | None = Field(None, pattern=NODE_GROUP_PATTERN)

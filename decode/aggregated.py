@@ -14,8 +14,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.async_engine import start_engine
+from engine.async_engine import AsyncEngine, start_engine
 from engine.config import EngineConfig
+from engine.core_client import EngineCoreClient
 from engine.request import RequestOutput
 from kvtransfer.events.config import PrefixIndexConfig
 from kvtransfer.events.publisher import KVEventPublisher
@@ -29,13 +30,19 @@ from telemetry.tracing import SpanKind
 class AggregatedServer:
     """Owns one aggregated-role engine and, when routing is KV-aware, its event publisher.
     `engine` is a dumped `EngineConfig`, `telemetry` a `TelemetryConfig`, `prefix_index`
-    a `PrefixIndexConfig` (where its KV events go; None: it publishes none)."""
+    a `PrefixIndexConfig` (where its KV events go; None: it publishes none), and
+    `engine_process` the pool's setting of that name."""
 
     def __init__(self, engine: dict, threads: int, telemetry: dict | None = None,
-                 prefix_index: dict | None = None):
+                 prefix_index: dict | None = None, engine_process: bool = False):
         self.replica_id = replica_id()
         engine_cfg = EngineConfig.model_validate(engine)
-        self.aengine = start_engine(engine_cfg, "aggregated", threads, kv_events=prefix_index is not None)
+        kv_events = prefix_index is not None
+        # `engine_process`: the engine core in a child process (no GIL shared with
+        # this replica's event loop); otherwise on a thread of this process.
+        self.aengine: AsyncEngine | EngineCoreClient = (
+            EngineCoreClient(engine_cfg, "aggregated", threads, kv_events=kv_events) if engine_process
+            else start_engine(engine_cfg, "aggregated", threads, kv_events=kv_events))
         self.events = None if prefix_index is None else KVEventPublisher(
             PrefixIndexConfig.model_validate(prefix_index).of_pool("aggregated"), engine_cfg.block_size,
             self.replica_id, self.aengine.take_kv_events)
@@ -67,7 +74,8 @@ class AggregatedServer:
         ).to_wire()
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.aengine.stats.as_dict(), "replica_id": self.replica_id,
+        engine_pid = self.aengine.info.pid if isinstance(self.aengine, EngineCoreClient) else None
+        return {**self.aengine.stats.as_dict(), "replica_id": self.replica_id, "engine_pid": engine_pid,
                 **(self.events.stats() if self.events is not None else {})}
 
     async def check_health(self) -> None:

@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import torch
@@ -113,7 +113,7 @@ class AsyncEngine:
             if out.finished:
                 self._streams.pop(out.request_id, None)
         for loop, items in deliveries.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            loop.call_soon_threadsafe(deliver, items)
         events = self.engine.take_kv_events()
         if events and self.kv_events:
             with self._events_lock:
@@ -252,30 +252,8 @@ class AsyncEngine:
             raise
         return self._drain(request_id, q)
 
-    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncGenerator[list[RequestOutput], None]:
-        finished = False
-        first = True
-        try:
-            while not finished:
-                batch = [await q.get()]
-                while not q.empty():
-                    batch.append(q.get_nowait())
-                if not first:  # the first item (the first token: TTFT) never waits
-                    while len(batch) < self.stream_interval and not _ends_stream(batch[-1]):
-                        batch.append(await q.get())
-                first = False
-                for item in batch:
-                    if isinstance(item, BaseException):
-                        raise EngineDead(str(item))
-                    if item.error is not None:
-                        finished = True  # the engine has already freed it
-                        raise RequestFailed(f"request {request_id} failed: {item.error}")
-                outs: list[RequestOutput] = batch  # type: ignore[assignment]
-                finished = outs[-1].finished
-                yield outs
-        finally:
-            if not finished:
-                await self.abort(request_id)
+    def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncGenerator[list[RequestOutput], None]:
+        return drain(request_id, q, self.stream_interval, self.abort)
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda: self._abort_now(request_id))
@@ -295,7 +273,37 @@ class AsyncEngine:
         self._thread.join(timeout=5)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+async def drain(request_id: str, q: asyncio.Queue, stream_interval: int,
+                abort: Callable[[str], Awaitable[None]]) -> AsyncGenerator[list[RequestOutput], None]:
+    """One request's stream: each item is every output (or engine error) that was
+    ready in `q`, at least `stream_interval` of them after the first; `abort`s the
+    request if the consumer leaves before it finished."""
+    finished = False
+    first = True
+    try:
+        while not finished:
+            batch = [await q.get()]
+            while not q.empty():
+                batch.append(q.get_nowait())
+            if not first:  # the first item (the first token: TTFT) never waits
+                while len(batch) < stream_interval and not _ends_stream(batch[-1]):
+                    batch.append(await q.get())
+            first = False
+            for item in batch:
+                if isinstance(item, BaseException):
+                    raise EngineDead(str(item))
+                if item.error is not None:
+                    finished = True  # the engine has already freed it
+                    raise RequestFailed(f"request {request_id} failed: {item.error}")
+            outs: list[RequestOutput] = batch  # type: ignore[assignment]
+            finished = outs[-1].finished
+            yield outs
+    finally:
+        if not finished:
+            await abort(request_id)
+
+
+def deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     for q, out in items:
         q.put_nowait(out)
 
@@ -311,11 +319,11 @@ def start_engine(cfg: EngineConfig, role: Role, threads: int, kv_events: bool = 
     torch.set_num_threads(threads)
     engine = Engine(cfg, role=role)
     aengine = AsyncEngine(engine, kv_events)
-    aengine.submit(lambda: _warm_up(engine)).result()
+    aengine.submit(lambda: warm_up(engine)).result()
     return aengine
 
 
-def _warm_up(engine: Engine) -> None:
+def warm_up(engine: Engine) -> None:
     """One tiny request through the whole step path, then an empty prefix cache."""
     rid = engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=2, temperature=0), request_id="warmup")
     while engine.has_unfinished():

@@ -21,6 +21,10 @@ class InvalidRequest(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
+
+    def __reduce__(self):  # crosses a process boundary (the engine core's pipe) intact
+        return InvalidRequest, (self.field, self.message)
 
 
 @dataclass

@@ -1,0 +1,142 @@
+"""The engine core in its own process (engine/core_process.py, engine/core_client.py):
+the same tokens as the engine on a thread, bad input refused without harm, aborts that
+free blocks, and a child that dies with its replica and fails its health check."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineDead
+from engine.config import EngineConfig
+from engine.core_client import EngineCoreClient
+from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.structured import StructuredOutput
+
+pytestmark = pytest.mark.unit
+
+CFG = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=512)
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [[1, *range(100 + 7 * i, 140 + 7 * i)] for i in range(4)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def core():
+    client = EngineCoreClient(CFG, "aggregated", threads=1, kv_events=True)
+    yield client
+    client.shutdown()
+
+
+async def _tokens(engine, request_id: str, prompt: list[int], sampling: SamplingParams = GREEDY) -> list[int]:
+    stream = await engine.add_request(request_id, prompt, sampling)
+    return [t async for outs in stream for o in outs for t in o.new_token_ids]
+
+
+async def _wait_for(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        await asyncio.sleep(0.02)
+
+
+async def test_concurrent_greedy_requests_match_the_engine_on_a_thread(core, make_engine):
+    got = await asyncio.gather(*[_tokens(core, f"p{i}", p) for i, p in enumerate(PROMPTS)])
+    ae = AsyncEngine(make_engine())
+    try:
+        want = [await _tokens(ae, f"t{i}", p) for i, p in enumerate(PROMPTS)]
+    finally:
+        ae.shutdown()
+    assert got == want and all(len(t) == GREEDY.max_tokens for t in got)
+    # One message per step carries the stats and the KV events the replica publishes.
+    await _wait_for(lambda: core.stats.num_requests == 0)
+    assert core.stats.kv_blocks_total == 512 and core.take_kv_events()
+
+
+async def test_bad_input_is_refused_by_name_and_the_others_carry_on(core):
+    good = asyncio.create_task(_tokens(core, "ok", PROMPTS[0]))
+    with pytest.raises(InvalidRequest) as e:
+        await core.add_request("bad", [10**9], GREEDY)
+    assert e.value.field == "prompt"
+    with pytest.raises(InvalidRequest):
+        await core.add_request("bad-2", PROMPTS[1], SamplingParams(max_tokens=0))
+    assert len(await good) == GREEDY.max_tokens
+    core.check_health()
+
+
+async def test_a_consumer_that_leaves_aborts_the_request_and_frees_its_blocks(core):
+    stream = await core.add_request("left", PROMPTS[2], SamplingParams(max_tokens=400, temperature=0,
+                                                                      ignore_eos=True))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    await _wait_for(lambda: core.stats.num_requests == 0 and core.stats.kv_blocks_free == core.stats.kv_blocks_total)
+
+
+async def test_a_structured_request_compiles_its_grammar_in_the_child(core):
+    sampling = SamplingParams(max_tokens=20, temperature=0,
+                              structured=StructuredOutput("choice", json.dumps(["yes", "no"])))
+    stream = await core.add_request("choice", PROMPTS[3], sampling)
+    assert "".join([o.text async for outs in stream for o in outs]) in ("yes", "no")
+
+
+async def test_a_child_that_dies_fails_the_health_check_and_every_stream():
+    client = EngineCoreClient(CFG, "aggregated", threads=1)
+    try:
+        stream = await client.add_request("doomed", PROMPTS[0], SamplingParams(max_tokens=400, temperature=0,
+                                                                              ignore_eos=True))
+        os.kill(client.info.pid, signal.SIGKILL)
+        with pytest.raises(EngineDead):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDead):
+            client.check_health()
+        with pytest.raises(EngineDead):
+            await client.add_request("after", PROMPTS[1], GREEDY)
+    finally:
+        client.shutdown()
+
+
+def test_the_child_exits_when_its_replica_is_killed():
+    """A replica killed outright (OOM, SIGKILL) leaves no engine holding a core."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from engine.config import EngineConfig
+        from engine.core_client import EngineCoreClient
+        c = EngineCoreClient(EngineConfig.model_validate({CFG.model_dump()!r}), "aggregated", 1)
+        print(c.info.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while _alive(child):
+            assert time.monotonic() < deadline, "the engine core outlived its replica"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_only_the_aggregated_role_runs_in_a_child():
+    with pytest.raises(ValueError, match="aggregated"):
+        EngineCoreClient(CFG, "decode", threads=1)
