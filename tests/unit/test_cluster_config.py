@@ -94,3 +94,11 @@ def test_autoscaled_pools_start_within_their_bounds_and_reserve_their_maximum():
     assert cfg.required_cpus() == 1 + 3 + 1
     assert cfg.required_cpus(at_most=True) == 1 + 3 + 1  # a fixed pool stays at `replicas`
     assert set(cfg.scaled_pools("goodput")) == {"prefill"}
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_only_the_aggregated_pool_may_run_its_engine_in_a_child(pool):
+    assert load_config(overrides={"aggregated.engine_process": True}).aggregated.engine_process
+    assert load_config().aggregated.engine_process is None  # the pool's default: on for aggregated
+    with pytest.raises(ConfigError, match=f"{pool}.engine_process"):
+        load_config(overrides={f"{pool}.engine_process": True})
