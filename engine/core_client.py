@@ -18,6 +18,7 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -55,7 +56,10 @@ class EngineCoreClient:
                                      pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._send_lock = threading.Lock()
+        # Commands go out through one writer thread, in order: a large prompt can fill
+        # the socket's buffer until the child reads it between steps, and the replica's
+        # event loop must not wait for that.
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -64,7 +68,7 @@ class EngineCoreClient:
         self._error: BaseException | None = None
         self._stopping = False
         try:
-            self._send(("init", cfg.model_dump(), role, threads, kv_events))
+            self._conn.send(("init", cfg.model_dump(), role, threads, kv_events))
             info, stats = self._wait_ready()
         except BaseException:
             self._kill()
@@ -78,6 +82,8 @@ class EngineCoreClient:
         self.stream_interval = info.stream_interval
         self._reader = threading.Thread(target=self._read, name="duet-engine-core-reader", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="duet-engine-core-writer", daemon=True)
+        self._writer.start()
 
     def _wait_ready(self) -> tuple[EngineInfo, EngineStats]:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -110,6 +116,13 @@ class EngineCoreClient:
                 e = EngineDead(f"engine core exited ({self.proc.poll()})")
             self._fail_all(e)
 
+    def _write(self) -> None:
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except OSError:  # the child is gone: the reader sees it and fails everything
+                return
+
     def _on_step(self, outputs: list[RequestOutput], stats: EngineStats, events: list[KVEvent]) -> None:
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._lock:
@@ -128,8 +141,8 @@ class EngineCoreClient:
     def _fail_all(self, e: BaseException) -> None:
         if not self._stopping:
             log.error("engine core lost: %s", e)
-        self._error = e
         with self._lock:
+            self._error = e
             calls, self._calls = self._calls, {}
             streams, self._streams = self._streams, {}
         for fut in calls.values():
@@ -146,14 +159,15 @@ class EngineCoreClient:
             raise EngineDead(f"engine core exited with {self.proc.returncode}")
 
     def _send(self, msg: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
+        self._outbox.put(msg)
 
     async def _call(self, *msg: Any) -> Any:
         self.check_health()
         call_id = next(self._call_ids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
+            if self._error is not None:  # lost between the health check and here
+                raise EngineDead(str(self._error))
             self._calls[call_id] = fut
         self._send((msg[0], call_id, *msg[1:]))
         return await asyncio.wrap_future(fut)
@@ -196,10 +210,8 @@ class EngineCoreClient:
         if self._stopping:
             return
         self._stopping = True
-        try:
-            self._send(("stop",))
-        except OSError:
-            pass
+        self._send(("stop",))
+        self._outbox.put(None)
         try:
             self.proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:

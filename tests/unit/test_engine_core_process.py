@@ -73,6 +73,15 @@ async def test_bad_input_is_refused_by_name_and_the_others_carry_on(core):
     core.check_health()
 
 
+async def test_a_prompt_larger_than_the_socket_buffer_crosses_and_is_refused_by_name(core):
+    """~2 MB pickled: the writer thread carries it while the child steps another request."""
+    good = asyncio.create_task(_tokens(core, "beside-huge", PROMPTS[1]))
+    with pytest.raises(InvalidRequest) as e:
+        await core.add_request("huge", [100 + i % 1000 for i in range(400_000)], GREEDY)
+    assert e.value.field == "prompt"
+    assert len(await good) == GREEDY.max_tokens
+
+
 async def test_a_consumer_that_leaves_aborts_the_request_and_frees_its_blocks(core):
     stream = await core.add_request("left", PROMPTS[2], SamplingParams(max_tokens=400, temperature=0,
                                                                       ignore_eos=True))
