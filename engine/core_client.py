@@ -5,6 +5,7 @@ output batches, aborts, the stats snapshot, KV events, health, shutdown), so the
 replica does not know which one it holds. One reader thread receives the child's
 messages; each step's outputs reach their requests' asyncio queues in one hand-off
 per event loop, and a consumer drains what is ready at once (`async_engine.drain`).
+One writer thread sends the commands, in the order they were given.
 
 Only the aggregated role runs this way today: prefill and decode register their KV
 tensor with NIXL and LMCache in the replica's process, and that registration would
