@@ -108,8 +108,12 @@ class EngineCoreClient:
                 elif msg[0] == "reply":
                     with self._lock:
                         fut = self._calls.pop(msg[1], None)
-                    if fut is not None:
-                        fut.set_result(msg[3]) if msg[2] else fut.set_exception(msg[3])
+                    # A caller cancelled while it waited has cancelled this future too.
+                    if fut is not None and fut.set_running_or_notify_cancel():
+                        if msg[2]:
+                            fut.set_result(msg[3])
+                        else:
+                            fut.set_exception(msg[3])
                 elif msg[0] == "died":
                     raise EngineDead(msg[1])
         except BaseException as e:
@@ -147,7 +151,8 @@ class EngineCoreClient:
             calls, self._calls = self._calls, {}
             streams, self._streams = self._streams, {}
         for fut in calls.values():
-            fut.set_exception(e)
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(e)
         for loop, q in streams.values():
             loop.call_soon_threadsafe(q.put_nowait, e)
 

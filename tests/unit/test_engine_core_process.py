@@ -91,6 +91,23 @@ async def test_a_consumer_that_leaves_aborts_the_request_and_frees_its_blocks(co
     await _wait_for(lambda: core.stats.num_requests == 0 and core.stats.kv_blocks_free == core.stats.kv_blocks_total)
 
 
+async def test_a_caller_cancelled_while_its_request_starts_leaves_the_engine_healthy(core):
+    """The reply to a cancelled call finds its future cancelled: the reader thread must
+    carry on, and the request that did start is aborted."""
+    busy = asyncio.create_task(_tokens(core, "busy", PROMPTS[0]))  # the child is mid-step
+    await _wait_for(lambda: core.stats.num_running == 1)
+    adding = asyncio.create_task(core.add_request("cancelled", PROMPTS[1], SamplingParams(
+        max_tokens=400, temperature=0, ignore_eos=True)))
+    await asyncio.sleep(0)  # the command is on its way
+    adding.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await adding
+    assert len(await busy) == GREEDY.max_tokens
+    assert len(await _tokens(core, "after-cancel", PROMPTS[2])) == GREEDY.max_tokens
+    core.check_health()
+    await _wait_for(lambda: core.stats.num_requests == 0 and core.stats.kv_blocks_free == core.stats.kv_blocks_total)
+
+
 async def test_a_structured_request_compiles_its_grammar_in_the_child(core):
     sampling = SamplingParams(max_tokens=20, temperature=0,
                               structured=StructuredOutput("choice", json.dumps(["yes", "no"])))
