@@ -27,13 +27,18 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import pickle
 import sys
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 IDLE_POLL_S = 0.5  # how often an idle child checks that its parent still lives
+GRAMMAR_POLL_S = 0.002  # how often a child with only grammars compiling looks again
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ class EngineInfo:
 class _Core:
     """The child's state: the engine, the grammars being compiled, the pipe."""
 
-    def __init__(self, conn: Connection, engine: Any, kv_events: bool):
+    def __init__(self, conn: Connection, engine: Engine, kv_events: bool):
         self.conn = conn
         self.engine = engine
         self.kv_events = kv_events
@@ -65,8 +70,9 @@ class _Core:
 
     def run(self) -> None:
         while True:
-            busy = self.engine.has_unfinished() or bool(self.compiling)
-            if not self._read_commands(0.0 if busy else IDLE_POLL_S):
+            stepping = self.engine.has_unfinished()
+            busy = stepping or bool(self.compiling)
+            if not self._read_commands(0.0 if stepping else GRAMMAR_POLL_S if busy else IDLE_POLL_S):
                 return
             changed = self._start_compiled()
             if self.engine.has_unfinished():
@@ -103,12 +109,20 @@ class _Core:
                 self._add(request_id, prompt, sampling, cache_salt, fork_of, None)
                 self._reply(call_id, True, None)
             elif kind == "abort":
+                self._drop_compiling(msg[2])
                 self.engine.abort(msg[2])
                 self._reply(call_id, True, None)
             else:
                 raise ValueError(f"unknown engine core command {kind!r}")
         except Exception as e:
             self._reply(call_id, False, e)
+
+    def _drop_compiling(self, request_id: str) -> None:
+        """An abort that overtook its request's grammar: that request never starts."""
+        for item in [c for c in self.compiling if c[1][1] == request_id]:
+            self.compiling.remove(item)
+            item[0].cancel()
+            self._reply(item[1][0], False, RuntimeError(f"request {request_id} aborted before it started"))
 
     def _start_compiled(self) -> bool:
         """Start the requests whose grammar is ready; whether any command changed the engine."""
@@ -140,8 +154,6 @@ class _Core:
 
 def _portable(e: BaseException) -> BaseException:
     """`e` if it survives pickling, else a RuntimeError with its text."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return e

@@ -115,6 +115,30 @@ async def test_a_structured_request_compiles_its_grammar_in_the_child(core):
     assert "".join([o.text async for outs in stream for o in outs]) in ("yes", "no")
 
 
+async def test_a_request_cancelled_while_its_grammar_compiles_never_starts():
+    """A fresh child's first grammar takes ~1 s (the tokenizer's index): the abort
+    arrives first. The grammar pool is one FIFO thread, so once a second structured
+    request has finished, the first one's grammar was long ready: had it started, its
+    400 tokens would still be running."""
+    client = EngineCoreClient(CFG, "aggregated", threads=1)
+    choice = StructuredOutput("choice", json.dumps(["yes", "no"]))
+    try:
+        endless = StructuredOutput("regex", "[a-z ]+")
+        adding = asyncio.create_task(client.add_request("first", PROMPTS[0], SamplingParams(
+            max_tokens=400, temperature=0, ignore_eos=True, structured=endless)))
+        await asyncio.sleep(0)
+        adding.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await adding
+        text = await _tokens(client, "second", PROMPTS[1], SamplingParams(max_tokens=5, temperature=0,
+                                                                         structured=choice))
+        assert text
+        assert "first" not in client.stats.request_ids and client.stats.num_requests == 0
+        client.check_health()
+    finally:
+        client.shutdown()
+
+
 async def test_a_child_that_dies_fails_the_health_check_and_every_stream():
     client = EngineCoreClient(CFG, "aggregated", threads=1)
     try:
