@@ -57,7 +57,7 @@ class AsyncEngine:
         self.model_id = engine.model_id
         self.model_fingerprint = engine.model_fingerprint
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: Streams = {}
         self._wake = threading.Event()
         self._stopped = False
         self._error: BaseException | None = None
@@ -102,18 +102,7 @@ class AsyncEngine:
                 fut.set_exception(e)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        # One hand-off per event loop per step, not one per output: each
-        # call_soon_threadsafe wakes the loop through its self-pipe.
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outputs:
-            target = self._streams.get(out.request_id)
-            if target is not None:
-                loop, q = target
-                deliveries.setdefault(loop, []).append((q, out))
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-        for loop, items in deliveries.items():
-            loop.call_soon_threadsafe(deliver, items)
+        hand_off(route(outputs, self._streams))
         events = self.engine.take_kv_events()
         if events and self.kv_events:
             with self._events_lock:
@@ -301,6 +290,30 @@ async def drain(request_id: str, q: asyncio.Queue, stream_interval: int,
     finally:
         if not finished:
             await abort(request_id)
+
+
+Streams = dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]]
+Deliveries = dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]]
+
+
+def route(outputs: list[RequestOutput], streams: Streams) -> Deliveries:
+    """One step's outputs grouped by their consumers' event loops; a finished
+    request's stream leaves `streams`. Outputs nobody reads (aborted) are dropped."""
+    deliveries: Deliveries = {}
+    for out in outputs:
+        target = streams.get(out.request_id)
+        if target is not None:
+            deliveries.setdefault(target[0], []).append((target[1], out))
+        if out.finished:
+            streams.pop(out.request_id, None)
+    return deliveries
+
+
+def hand_off(deliveries: Deliveries) -> None:
+    """One hand-off per event loop per step, not one per output: each
+    call_soon_threadsafe wakes the loop through its self-pipe."""
+    for loop, items in deliveries.items():
+        loop.call_soon_threadsafe(deliver, items)
 
 
 def deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from engine.async_engine import EngineDead, deliver, drain
+from engine.async_engine import EngineDead, Streams, drain, hand_off, route
 from engine.config import EngineConfig, Role
 from engine.core_process import EngineInfo
 from engine.kv_events import KVEvent
@@ -63,7 +63,7 @@ class EngineCoreClient:
         self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: Streams = {}
         self._events: list[KVEvent] = []
         self._lock = threading.Lock()  # guards _calls, _streams and _events
         self._error: BaseException | None = None
@@ -129,19 +129,12 @@ class EngineCoreClient:
                 return
 
     def _on_step(self, outputs: list[RequestOutput], stats: EngineStats, events: list[KVEvent]) -> None:
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         with self._lock:
-            for out in outputs:
-                target = self._streams.get(out.request_id)
-                if target is not None:
-                    deliveries.setdefault(target[0], []).append((target[1], out))
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
+            deliveries = route(outputs, self._streams)
             if events:
                 self._events.extend(events)
         self.stats = stats
-        for loop, items in deliveries.items():
-            loop.call_soon_threadsafe(deliver, items)
+        hand_off(deliveries)
 
     def _fail_all(self, e: BaseException) -> None:
         if not self._stopping:

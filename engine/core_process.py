@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+    from engine.structured import GrammarMatcher
 
 IDLE_POLL_S = 0.5  # how often an idle child checks that its parent still lives
 GRAMMAR_POLL_S = 0.002  # how often a child with only grammars compiling looks again
@@ -58,6 +60,18 @@ class EngineInfo:
     pid: int
 
 
+@dataclass
+class _Add:
+    """An `add` command: what the engine's `add_request` takes, and whom to answer."""
+
+    call_id: int
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    cache_salt: str | None
+    fork_of: str | None
+
+
 class _Core:
     """The child's state: the engine, the grammars being compiled, the pipe."""
 
@@ -68,7 +82,7 @@ class _Core:
         # A large JSON schema takes milliseconds or more to compile: never in the step
         # loop. A request waits here until its matcher is ready, then starts.
         self.grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="duet-grammar")
-        self.compiling: list[tuple[concurrent.futures.Future, tuple]] = []
+        self.compiling: list[tuple[concurrent.futures.Future, _Add]] = []
         self.parent = os.getppid()
 
     def run(self) -> None:
@@ -104,13 +118,12 @@ class _Core:
         kind, call_id = msg[0], msg[1]
         try:
             if kind == "add":
-                _, _, request_id, prompt, sampling, cache_salt, fork_of = msg
-                if sampling.structured is not None:
-                    fut = self.grammar_pool.submit(self.engine.grammars.matcher, sampling.structured, [])
-                    self.compiling.append((fut, (call_id, request_id, prompt, sampling, cache_salt, fork_of)))
+                add = _Add(*msg[1:])
+                if add.sampling.structured is not None:
+                    fut = self.grammar_pool.submit(self.engine.grammars.matcher, add.sampling.structured, [])
+                    self.compiling.append((fut, add))
                     return  # replied once it starts
-                self._add(request_id, prompt, sampling, cache_salt, fork_of, None)
-                self._reply(call_id, True, None)
+                self._add(add, None)
             elif kind == "abort":
                 self._drop_compiling(msg[2])
                 self.engine.abort(msg[2])
@@ -122,28 +135,29 @@ class _Core:
 
     def _drop_compiling(self, request_id: str) -> None:
         """An abort that overtook its request's grammar: that request never starts."""
-        for item in [c for c in self.compiling if c[1][1] == request_id]:
+        for item in [c for c in self.compiling if c[1].request_id == request_id]:
             self.compiling.remove(item)
             item[0].cancel()
-            self._reply(item[1][0], False, RuntimeError(f"request {request_id} aborted before it started"))
+            self._reply(item[1].call_id, False, RuntimeError(f"request {request_id} aborted before it started"))
 
     def _start_compiled(self) -> bool:
         """Start the requests whose grammar is ready; whether any command changed the engine."""
         started = False
         for item in [c for c in self.compiling if c[0].done()]:
             self.compiling.remove(item)
-            fut, (call_id, request_id, prompt, sampling, cache_salt, fork_of) = item
+            fut, add = item
             try:
-                self._add(request_id, prompt, sampling, cache_salt, fork_of, fut.result())
-                self._reply(call_id, True, None)
+                self._add(add, fut.result())
                 started = True
             except Exception as e:
-                self._reply(call_id, False, e)
+                self._reply(add.call_id, False, e)
         return started
 
-    def _add(self, request_id, prompt, sampling, cache_salt, fork_of, grammar) -> None:
-        self.engine.add_request(prompt, sampling, request_id=request_id, grammar=grammar,
-                                cache_salt=cache_salt, fork_of=fork_of)
+    def _add(self, add: _Add, grammar: GrammarMatcher | None) -> None:
+        """Start the request and answer its caller (an error is the caller's to answer)."""
+        self.engine.add_request(add.prompt, add.sampling, request_id=add.request_id, grammar=grammar,
+                                cache_salt=add.cache_salt, fork_of=add.fork_of)
+        self._reply(add.call_id, True, None)
 
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         if not ok:
