@@ -24,7 +24,7 @@ import torch
 from bench.json_output import write_json
 from bench.machine_ceilings import measure
 from cluster.cli import add_engine_args
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine
 from engine.quant import packs_weights
 from engine.sampling_params import SamplingParams
@@ -71,6 +71,7 @@ def _load_hf(engine: Engine):
 
 
 def run(
+    model: str = DEFAULT_MODEL,
     dtype: str = "auto",
     device: str = "auto",
     prompt_len: int = 32,
@@ -86,7 +87,7 @@ def run(
 ) -> dict:
     if threads:
         torch.set_num_threads(threads)
-    engine = Engine(EngineConfig(dtype=dtype, device=device, max_num_batched_tokens=max(prefill_len, 2048),
+    engine = Engine(EngineConfig(model=model, dtype=dtype, device=device, max_num_batched_tokens=max(prefill_len, 2048),
                                  weight_quant=weight_quant, decode_attention=decode_attention,
                                  packed_weights=packed_weights))
     hf = _load_hf(engine) if with_hf else None
@@ -205,7 +206,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     result = run(
-        dtype=args.dtype, device=args.device, prompt_len=args.prompt_len, output_len=args.output_len,
+        model=args.model, dtype=args.dtype, device=args.device, prompt_len=args.prompt_len, output_len=args.output_len,
         batches=tuple(args.batches), prefill_len=args.prefill_len, repeats=args.repeats,
         with_hf=not args.no_hf, threads=args.threads, weight_quant=args.weight_quant,
         decode_attention=args.decode_attention, packed_weights=args.packed_weights,

@@ -186,7 +186,9 @@ def _hf_config(ckpt: Checkpoint) -> ModelConfig:
     archs = raw.get("architectures") or []
     if raw.get("model_type") not in ("llama", "mistral", None) and not any("Llama" in a for a in archs):
         raise ConfigError("model", f"model_type {raw.get('model_type')!r} is not Llama-architecture")
+    _refuse_unsupported(raw)
     heads = raw["num_attention_heads"]
+    rope_theta, rope_scaling = _rope(raw)
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     return ModelConfig(
@@ -198,14 +200,42 @@ def _hf_config(ckpt: Checkpoint) -> ModelConfig:
         num_kv_heads=raw.get("num_key_value_heads", heads),
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
         vocab_size=raw["vocab_size"],
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        rope_scaling=raw.get("rope_scaling"),
+        rope_scaling=rope_scaling,
     )
+
+
+# RoPE variants model.py implements; anything else would run with the wrong positions.
+_ROPE_TYPES = ("default", "llama3")
+
+
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    """(theta, scaling) from either config form: the hub's `rope_theta` + `rope_scaling`,
+    or `rope_parameters` (one dict holding both), which transformers 5 writes."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or params
+    theta = float(raw.get("rope_theta", params.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind not in _ROPE_TYPES:
+        raise ConfigError("model", f"rope type {kind!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+    if kind == "default":
+        return theta, None
+    return theta, {k: v for k, v in scaling.items() if k != "rope_theta"}
+
+
+def _refuse_unsupported(raw: dict) -> None:
+    """Llama variants whose arithmetic model.py does not do are refused by name, not
+    loaded to produce wrong tokens."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError("model", f"hidden_act {raw['hidden_act']!r} is not supported (silu only)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag):
+            raise ConfigError("model", f"{flag}=true is not supported")
 
 
 def _load_hf(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
