@@ -2,6 +2,7 @@
 our engine against transformers on the same weights: on the CPU, and on CUDA where
 a GPU is present (tests skipped elsewhere)."""
 
+import asyncio
 import json
 import shutil
 
@@ -10,8 +11,10 @@ import torch
 
 from bench.random_checkpoint import SHAPES, write_checkpoint
 from engine.config import ConfigError, EngineConfig
+from engine.core_client import EngineCoreClient
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutput
 from engine.weights import Checkpoint, _hf_config
 
 pytestmark = pytest.mark.unit
@@ -98,3 +101,43 @@ def test_unsupported_variants_are_refused_by_name(checkpoint, tmp_path, change, 
     (d / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=named):
         _hf_config(Checkpoint("m", d, "hf"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_speculation_seeds_and_grammars_on_the_device(checkpoint, device):
+    """The engine's per-request machinery on `device`: n-gram speculation leaves greedy
+    tokens unchanged, a seed reproduces its sample, a grammar's mask is applied."""
+    plain = _engine(checkpoint, device, "float32")
+    spec = Engine(EngineConfig(model=str(checkpoint), dtype="float32", device=device, num_kv_blocks=64,
+                               speculative={"method": "ngram", "num_tokens": 4}))
+    ids = plain.tokenizer.encode("alpha beta gamma delta " * 12)
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    assert spec.generate([ids], greedy)[0].token_ids == plain.generate([ids], greedy)[0].token_ids
+
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    first, again = (plain.generate([ids, ids[:40]], seeded)[0].token_ids for _ in range(2))
+    assert first == again
+
+    choice = SamplingParams(max_tokens=8, temperature=0,
+                            structured=StructuredOutput("choice", json.dumps(["yes", "no"])))
+    assert plain.generate([ids], choice)[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_engine_core_child_process_on_the_device(checkpoint, device):
+    """The aggregated pool's engine runs in a child process (engine/core_client.py);
+    on a GPU the child, not the replica, owns the CUDA context."""
+    cfg = EngineConfig(model=str(checkpoint), dtype="float32", device=device, num_kv_blocks=64)
+    ids = Engine(cfg).tokenizer.encode(PROMPT)[:60]
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    want = _engine(checkpoint, device, "float32").generate([ids], greedy)[0].token_ids
+
+    async def run() -> list[int]:
+        client = EngineCoreClient(cfg, "aggregated", threads=1)
+        try:
+            stream = await client.add_request("r", ids, greedy)
+            return [t async for outs in stream for o in outs for t in o.new_token_ids]
+        finally:
+            client.shutdown()
+
+    assert asyncio.run(run()) == want
