@@ -118,6 +118,8 @@ def build_app(cfg: ClusterConfig):
                     "telemetry": _telemetry(cfg), "slo": cfg.slo.model_dump()}
     routers = router_configs(cfg)
     prefix_index = PrefixIndexConfig.model_validate(cfg.router.model_dump(include=set(PrefixIndexConfig.model_fields)))
+    if cfg.mode == "aggregated" and cfg.gateway.colocate:
+        return _colocated(cfg, gateway_env, gateway_args)
     if cfg.mode == "aggregated":
         aggregated_opts = _options("aggregated", cfg.aggregated)
         if routers:
@@ -146,3 +148,19 @@ def build_app(cfg: ClusterConfig):
     return gateway.bind(**gateway_args, prefill=prefill, decode=decode,
                         disaggregation=cfg.router.disaggregation.model_dump(),
                         transfer_timeout_s=cfg.transfer.timeout_s)
+
+
+def _colocated(cfg: ClusterConfig, env: dict, gateway_args: dict):
+    """`gateway.colocate`: one deployment, named after the pool and sized by it, whose
+    replicas each run the gateway and an aggregated engine. Serve's proxy hands each
+    HTTP request to one of them (its default routing: the KV-aware router needs the
+    tokens, ClusterConfig allows it only with one replica)."""
+    pool = cfg.aggregated
+    opts = _options("aggregated", pool)
+    opts["ray_actor_options"]["num_cpus"] = pool.num_cpus + cfg.gateway.num_cpus
+    opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
+    if cfg.gateway.node_group and not pool.node_group:
+        opts["ray_actor_options"]["resources"] = placement(cfg.gateway.node_group)
+    opts["max_ongoing_requests"] = cfg.gateway.max_pending_requests * 2  # the gateway's admission answers 429
+    colocated = {**_pool_args(cfg, pool), "engine_process": pool.engine_process is not False}
+    return Gateway.options(**opts).bind(**gateway_args, colocated=colocated)

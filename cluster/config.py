@@ -57,12 +57,26 @@ class ClusterConfig(Strict):
             # One pool doing both phases has no prefill or decode signals of its own.
             raise ValueError("aggregated.autoscaling.policy: goodput scales a prefill and a decode pool; "
                              "use queue or fixed in aggregated mode")
+        if self.gateway.colocate:
+            self._check_colocated()
         for name in ("prefill", "decode"):
             if getattr(self, name).engine_process:
                 # Their KV tensor is registered with NIXL and LMCache in the replica's
                 # own process, so their engine stays there.
                 raise ValueError(f"{name}.engine_process: only the aggregated pool runs its engine in its own process")
         return self
+
+    def _check_colocated(self) -> None:
+        if self.mode != "aggregated":
+            raise ValueError("gateway.colocate: the gateway runs inside aggregated replicas; "
+                             "set mode: aggregated (a P/D request spans two pools)")
+        pool = self.aggregated
+        several = pool.replicas > 1 if pool.scaling == "fixed" else pool.autoscaling.max_replicas > 1
+        if several and self.router.policy == "kv_aware":
+            # Serve's proxy picks the ingress replica from the HTTP request; the
+            # KV-aware router needs the prompt's tokens, which only the gateway has.
+            raise ValueError("gateway.colocate: with more than one aggregated replica the KV-aware router "
+                             "cannot choose among them; use router.policy: default, or one replica")
 
     def scaled_pools(self, policy: str) -> dict[str, PoolConfig]:
         """The pools whose `autoscaling.policy` is `policy`."""

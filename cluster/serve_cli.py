@@ -27,6 +27,10 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-replicas", type=int, default=None)
     p.add_argument("--replicas", type=int, default=None, help="aggregated pool replicas")
     p.add_argument("--transfer-backend", choices=["nixl", "torch"], default=None)
+    p.add_argument("--colocate", action="store_true", default=None,
+                   help="aggregated mode: the gateway runs inside each aggregated replica (gateway.colocate)")
+    p.add_argument("--ingress", choices=["proxy", "haproxy"], default=None,
+                   help="what carries HTTP to the ingress replicas (gateway.ingress): Serve's proxy, or HAProxy")
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--host", default=None)
@@ -52,6 +56,8 @@ def config_from_args(args) -> ClusterConfig:
             "engine.dtype": args.dtype,
             "gateway.host": args.host,
             "gateway.port": args.port,
+            "gateway.colocate": args.colocate,
+            "gateway.ingress": args.ingress,
         },
     )
 
@@ -60,6 +66,8 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
           serve_config: dict | None = None) -> str:
     """Deploy `cfg` (or `serve_config`, the Serve config that deploys it) and block
     until /ready answers 200; returns the base URL."""
+    if cfg.gateway.ingress == "haproxy":
+        use_haproxy(joining=bool(address) or _ray_initialized())
     import ray
     from ray import serve
 
@@ -85,6 +93,35 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
     url = f"http://{'127.0.0.1' if cfg.gateway.host == '0.0.0.0' else cfg.gateway.host}:{cfg.gateway.port}"
     wait_ready(url, ready_timeout)
     return url
+
+
+# Serve reads these when its modules are imported, in every process: set before Ray
+# starts, they reach the controller, the per-node ingress managers and the replicas.
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# A stopping ingress replica keeps serving this long, so that HAProxy (which reloads
+# within 0.1 s of a change) stops sending it connections first. Ray's default, 30 s,
+# is sized for clusters whose routers update slowly; it would make every redeploy and
+# Ctrl-C wait half a minute.
+HAPROXY_DRAIN_S = "5"
+
+
+def use_haproxy(joining: bool) -> None:
+    """`gateway.ingress: haproxy` on the Ray this process starts. A cluster it joins
+    was configured when it started; say so rather than pretend."""
+    if joining:
+        if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+            log.warning("gateway.ingress: haproxy needs the Ray cluster started with RAY_SERVE_ENABLE_HA_PROXY=1; "
+                        "joining one, its own setting applies")
+        return
+    # The driver's own copy of the flag does not matter: it deploys through the
+    # controller, which (like every Ray process) inherits this environment.
+    os.environ.update(HAPROXY_ENV)
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", HAPROXY_DRAIN_S)
+
+
+def _ray_initialized() -> bool:
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized())
 
 
 def _scaling(pool) -> str:

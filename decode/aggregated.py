@@ -11,7 +11,7 @@ cached without piling a burst on one replica (routing/router/serve_routers.py).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from engine.async_engine import AsyncEngine, start_engine
@@ -50,7 +50,7 @@ class AggregatedServer:
                                          lambda: self.aengine.stats.as_dict())
         self._closed = False
 
-    async def generate(self, req: PrefillRequest) -> AsyncIterator[list[RequestOutput]]:
+    async def generate(self, req: PrefillRequest) -> AsyncGenerator[list[RequestOutput], None]:
         """The whole request, prefill and decode, as batches of outputs."""
         span = tracing.start_span("generate", req.trace, SpanKind.SERVER, {
             "duet.request_id": req.request_id, "duet.replica": self.replica_id,

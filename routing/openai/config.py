@@ -15,6 +15,17 @@ class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, gt=0, lt=65536)
     num_cpus: float = Field(0.25, gt=0)
+    # Aggregated mode: run the gateway inside each aggregated replica, which is then
+    # the HTTP ingress and streams the tokens its engine makes, instead of a gateway
+    # replica of its own that relays every token from another replica over Ray.
+    colocate: bool = False
+    # What carries HTTP from the client to the ingress replicas (the gateway's, or the
+    # colocated aggregated ones). "proxy": Serve's HTTP proxy, which relays every
+    # streamed chunk from the replica over Ray. "haproxy": Serve's HAProxy ingress
+    # (Ray 2.60 direct ingress), which forwards each connection to the replica's own
+    # HTTP server. Cluster-wide: `duet serve` starts its Ray with it; a Ray cluster it
+    # joins must run with RAY_SERVE_ENABLE_HA_PROXY=1 (the Helm chart sets it).
+    ingress: Literal["proxy", "haproxy"] = "proxy"
     # Only on the Ray nodes that offer `duet/<node_group>` (None: any node), e.g. the
     # head, where the HTTP proxy and the Service are.
     node_group: str | None = Field(None, pattern=r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")

@@ -20,6 +20,7 @@ from ray import serve
 from autoscaling.config import SLOConfig
 from autoscaling.placement import DisaggregationConfig
 from autoscaling.signals import GatewaySignals
+from decode.aggregated import AggregatedServer
 from engine.config import EngineConfig
 from engine.tokenizer import load_tokenizer
 from engine.weights import served_model_name
@@ -104,23 +105,32 @@ class Gateway:
     def __init__(
         self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None, telemetry: dict | None = None,
         slo: dict | None = None, disaggregation: dict | None = None,
-        transfer_timeout_s: float = TransferConfig().timeout_s,
+        transfer_timeout_s: float = TransferConfig().timeout_s, colocated: dict | None = None,
     ):
         """`gateway`, `engine`, `telemetry`, `slo` and `disaggregation` are a dumped
         `GatewayConfig`, the pools' `EngineConfig`, a `TelemetryConfig`, an `SLOConfig`
-        and the router's `DisaggregationConfig`; `aggregated` set means aggregated mode,
-        else `prefill` and `decode` are the pools, and `transfer_timeout_s` bounds one
-        KV pull (`transfer.timeout_s`)."""
+        and the router's `DisaggregationConfig`. Aggregated mode: `aggregated` is the
+        pool's handle, or `colocated` the arguments of an `AggregatedServer` this
+        replica runs itself (`gateway.colocate`: the replica that makes the tokens
+        streams them, with no hop between replicas). Else `prefill` and `decode` are
+        the pools, and `transfer_timeout_s` bounds one KV pull (`transfer.timeout_s`)."""
         self.cfg = GatewayConfig.model_validate(gateway)
         self.engine_cfg = EngineConfig.model_validate(engine)
-        self.mode = "aggregated" if aggregated is not None else "disaggregated"
+        # One tracer provider a process: a colocated replica's spans all say so.
+        tracing.setup_tracing(TelemetryConfig.model_validate(telemetry or {}),
+                              "gateway" if colocated is None else "gateway+aggregated")
+        # Built early: a replica whose engine cannot start fails before it takes traffic.
+        self.local = AggregatedServer(**colocated) if colocated is not None else None
+        self.aggregated: pipeline.AggregatedPool | None = (
+            self.local if self.local is not None
+            else pipeline.RemoteAggregated(aggregated) if aggregated is not None else None)
+        self.mode = "aggregated" if self.aggregated is not None else "disaggregated"
         self.model_name = served_model_name(self.engine_cfg)
         self.max_model_len = self.engine_cfg.max_model_len
         self.tokenizer = load_tokenizer(self.engine_cfg.model)
         self.chat_template = Path(self.cfg.chat_template).read_text() if self.cfg.chat_template else None
         self.tool_format = tool_format(self.chat_template or self.tokenizer.chat_template, self.cfg.tool_format)
-        self.prefill, self.decode, self.aggregated = prefill, decode, aggregated
-        tracing.setup_tracing(TelemetryConfig.model_validate(telemetry or {}), "gateway")
+        self.prefill, self.decode = prefill, decode
         # Not `self.metrics`: that name is the /metrics route below.
         self.gateway_metrics = GatewayMetrics(replica_id())
         self.record = self.gateway_metrics.recorder
@@ -178,12 +188,26 @@ class Gateway:
         return PlainTextResponse(generate_latest(self.gateway_metrics.registry).decode())
 
     async def _pool_stats(self) -> dict[str, dict]:
-        pools = {"prefill": self.prefill, "decode": self.decode, "aggregated": self.aggregated}
-        out = {}
-        for name, handle in pools.items():
-            if handle is not None:
-                out[name] = await handle.stats.remote()
-        return out
+        if self.aggregated is not None:
+            return {"aggregated": await self.aggregated.stats()}
+        return {"prefill": await self.prefill.stats.remote(), "decode": await self.decode.stats.remote()}
+
+    async def stats(self) -> dict:
+        """A colocated replica answers as the aggregated replica it also is (its
+        deployment carries the pool's name), for operators and the tests."""
+        if self.local is None:
+            raise RuntimeError("stats(): only a colocated gateway has a pool of its own; ask the pools")
+        return await self.local.stats()
+
+    async def check_health(self) -> None:
+        """Serve's health check: a colocated engine that died fails it, and Serve
+        replaces this replica (the gateway alone has nothing to check)."""
+        if self.local is not None:
+            await self.local.check_health()
+
+    def __del__(self):
+        if getattr(self, "local", None) is not None:
+            self.local.shutdown()
 
     @app.get("/v1/models")
     async def models(self, request: Request):

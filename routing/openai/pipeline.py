@@ -42,6 +42,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any, Protocol
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve._private.utils import generate_request_id
@@ -558,17 +559,43 @@ def _remaining(sp: SamplingParams, generated: list[int]) -> SamplingParams | Non
     return dataclasses.replace(sp, max_tokens=sp.max_tokens - done, structured=structured)
 
 
-async def aggregated(handle, req: PrefillRequest) -> AsyncIterator[list[RequestOutput]]:
+class AggregatedPool(Protocol):
+    """What the gateway uses of the aggregated pool: a handle to its deployment
+    (`RemoteAggregated`), or, when the gateway runs inside an aggregated replica
+    (`gateway.colocate`), that replica's own server (decode/aggregated.py)."""
+
+    def generate(self, req: PrefillRequest) -> AsyncGenerator[list[RequestOutput], None]: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+
+class RemoteAggregated:
+    """The aggregated deployment behind its handle (and its request router)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def generate(self, req: PrefillRequest) -> AsyncGenerator[list[RequestOutput], None]:
+        stream = self.handle.options(stream=True).generate.remote(req)
+        try:
+            async for outs in stream:
+                yield outs
+        except (asyncio.CancelledError, GeneratorExit):
+            stream.cancel()
+            raise
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.handle.stats.remote()
+
+
+async def aggregated(pool: AggregatedPool, req: PrefillRequest) -> AsyncIterator[list[RequestOutput]]:
     """The request's output batches from one aggregated replica."""
-    stream = handle.options(stream=True).generate.remote(req)
-    try:
-        async for outs in stream:
-            yield outs
-    except (asyncio.CancelledError, GeneratorExit):
-        stream.cancel()
-        raise
-    except Exception as e:
-        raise UpstreamError(f"engine failed: {_short(e)}") from e
+    async with contextlib.aclosing(pool.generate(req)) as stream:
+        try:
+            async for outs in stream:
+                yield outs
+        except Exception as e:
+            raise UpstreamError(f"engine failed: {_short(e)}") from e
 
 
 def _is_capacity(e: BaseException) -> bool:

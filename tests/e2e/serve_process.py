@@ -61,16 +61,18 @@ class Served:
         return "\n".join(self.log().splitlines()[-n:])
 
 
-def start(root: Path, timeout_s: float = 300) -> Served:
-    """Start `duet serve` with CONFIG and wait for its ready line; raises RuntimeError
-    (with the log's tail) if it exits or is not ready in time."""
+def start(root: Path, timeout_s: float = 300, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Served:
+    """Start `duet serve` with CONFIG (and `args`, `env`) and wait for its ready line;
+    raises RuntimeError (with the log's tail) if it exits or is not ready in time."""
     (root / "cluster.yaml").write_text(CONFIG)
     sink = OTLPSink()
-    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+           **(env or {})}
     before = raylet_pids()
     with open(root / "serve.log", "w") as f:
         proc = subprocess.Popen(
-            [DUET, "serve", "--config", str(root / "cluster.yaml"), "--port", str(PORT), "--ready-timeout", "240"],
+            [DUET, "serve", "--config", str(root / "cluster.yaml"), "--port", str(PORT), "--ready-timeout", "240",
+             *args],
             stdout=f, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
             # A shell running us in the background may ignore SIGINT; the CLI must get it.
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),

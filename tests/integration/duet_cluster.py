@@ -101,6 +101,8 @@ CLUSTERS: dict[str, dict] = {
     # two proves it exact through a served path (test_cluster_api.py).
     "torch": {"transfer.backend": "torch", "engine.speculative": SPECULATIVE},
     "aggregated": {"mode": "aggregated", "engine.speculative": SPECULATIVE},
+    # The same, with the gateway inside the aggregated replica (gateway.colocate).
+    "colocated": {"mode": "aggregated", "gateway.colocate": True, "engine.speculative": SPECULATIVE},
     # API keys, one request in flight and 1,100 tokens a minute per key, 8 KiB bodies,
     # 10 s per request, 40 header fields, one CORS origin, each key's KV its own.
     "secure": {

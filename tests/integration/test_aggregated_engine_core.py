@@ -1,6 +1,7 @@
 """The aggregated replica's engine core in its own process, on a real Serve app (the
-"aggregated" cluster): it serves, and a child that dies is a failed health check that
-Serve answers with a new replica, never a replica that answers without an engine."""
+"aggregated" cluster, and "colocated", whose replicas run the gateway too): it serves,
+and a child that dies is a failed health check that Serve answers with a new replica,
+never a replica that answers without an engine."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ import signal
 import pytest
 from duet_cluster import Duet, complete, prompt, wait_new_replica
 
-pytestmark = [pytest.mark.integration, pytest.mark.cluster("aggregated")]
+pytestmark = pytest.mark.integration
 
 
-def test_a_replica_whose_engine_core_dies_is_replaced(duet: Duet):
+@pytest.mark.parametrize("setup", [
+    pytest.param("aggregated", marks=pytest.mark.cluster("aggregated")),
+    # The gateway inside the replica: its health check is the engine's too.
+    pytest.param("colocated", marks=pytest.mark.cluster("colocated")),
+])
+def test_a_replica_whose_engine_core_dies_is_replaced(duet: Duet, setup):
     before = duet.stats("aggregated")
     pid = before["engine_pid"]
     assert pid is not None and pid != os.getpid(), "the aggregated pool's default runs its engine in a child"

@@ -40,6 +40,7 @@ SETUPS = [
     pytest.param("nixl", marks=pytest.mark.cluster("nixl"), id="disagg-nixl"),
     pytest.param("torch", marks=pytest.mark.cluster("torch"), id="disagg-torch"),
     pytest.param("aggregated", marks=pytest.mark.cluster("aggregated"), id="aggregated"),
+    pytest.param("colocated", marks=pytest.mark.cluster("colocated"), id="colocated"),
 ]
 
 

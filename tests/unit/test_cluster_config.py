@@ -102,3 +102,18 @@ def test_only_the_aggregated_pool_may_run_its_engine_in_a_child(pool):
     assert load_config().aggregated.engine_process is None  # the pool's default: on for aggregated
     with pytest.raises(ConfigError, match=f"{pool}.engine_process"):
         load_config(overrides={f"{pool}.engine_process": True})
+
+
+def test_the_gateway_colocates_only_with_aggregated_replicas_it_can_route_among():
+    assert load_config(overrides={"mode": "aggregated", "gateway.colocate": True}).gateway.colocate
+    with pytest.raises(ConfigError, match="gateway.colocate: .* set mode: aggregated"):
+        load_config(overrides={"gateway.colocate": True})
+    # Serve's proxy picks the replica from HTTP alone: the KV-aware router cannot.
+    with pytest.raises(ConfigError, match="KV-aware router cannot choose"):
+        load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2})
+    with pytest.raises(ConfigError, match="KV-aware router cannot choose"):
+        load_config(overrides={"mode": "aggregated", "gateway.colocate": True,
+                               "aggregated.autoscaling": {"policy": "queue", "max_replicas": 3}})
+    two = load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2,
+                                 "router.policy": "default"})
+    assert two.aggregated.replicas == 2

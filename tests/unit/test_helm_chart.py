@@ -384,3 +384,17 @@ def test_a_pool_outside_the_mode_needs_no_node_group():
 def test_a_default_worker_group_can_be_dropped():
     values = with_values(None, workerGroups__decode=None, duet__decode__node_group="prefill")
     assert ray_pod_groups(render(values)).keys() == {"head", "prefill"}
+
+
+def test_the_haproxy_ingress_is_set_on_every_ray_pod():
+    """`gateway.ingress: haproxy` is a Ray cluster setting, read by every Ray process:
+    each pod's container gets it, beside the group's own env."""
+    haproxy = {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}
+    values = with_values(None, duet__gateway__ingress="haproxy", head__env=[{"name": "A", "value": "b"}])
+    for name, group in ray_pod_groups(render(values)).items():
+        env = group["template"]["spec"]["containers"][0]["env"]
+        assert haproxy in env, name
+        if name == "head":
+            assert {"name": "A", "value": "b"} in env
+    for group in ray_pod_groups(render()).values():
+        assert haproxy not in group["template"]["spec"]["containers"][0].get("env", [])

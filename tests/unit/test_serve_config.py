@@ -114,3 +114,20 @@ def test_the_gateway_waits_for_a_decode_start_as_long_as_a_pull_may_take():
 
     app = build_app(load_config(None, {"transfer.timeout_s": 30.0}))
     assert app._bound_deployment.init_kwargs["transfer_timeout_s"] == 30.0  # Gateway's resilience reads it
+
+
+def test_a_colocated_gateway_is_the_aggregated_pool_itself():
+    """One deployment, named and sized after the pool, whose replicas reserve the
+    pool's CPU and the gateway's, and build an engine of the pool's config."""
+    from cluster.app import build_app
+
+    cfg = load_config(None, {"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2,
+                             "router.policy": "default", "aggregated.threads": 2})
+    assert serve_config(cfg)["applications"][0]["deployments"] == [{"name": "aggregated", "num_replicas": 2}]
+    deployment = build_app(cfg)._bound_deployment
+    assert deployment.name == "aggregated"
+    assert deployment.ray_actor_options["num_cpus"] == cfg.aggregated.num_cpus + cfg.gateway.num_cpus
+    colocated = deployment.init_kwargs["colocated"]
+    assert colocated["threads"] == 2 and colocated["engine_process"] is True
+    assert colocated["engine"] == cfg.pool_engine(cfg.aggregated).model_dump()
+    assert "aggregated" not in deployment.init_kwargs  # no handle to another deployment

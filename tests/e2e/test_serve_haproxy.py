@@ -1,0 +1,69 @@
+"""`duet serve --mode aggregated --colocate --ingress haproxy`: the aggregated replica
+runs the gateway and its own HTTP server, and HAProxy, not Serve's Python proxy,
+carries each connection to it, so a streamed token crosses no Ray hop between
+processes. Its own `duet serve` and Ray, after the session's server has stopped
+(`stops_server` tests run last, and this file sorts after the one that stops it).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.request
+
+import openai
+import pytest
+from serve_process import PORT, Served, start, stop
+
+pytestmark = [pytest.mark.e2e, pytest.mark.stops_server]
+
+# Where Serve gives the ingress replica its own HTTP server (Ray's range is 30000-31000;
+# a narrow one of our own, so the test knows where to look).
+DIRECT_PORTS = range(30500, 30510)
+
+
+@pytest.fixture(scope="module")
+def direct(tmp_path_factory: pytest.TempPathFactory):
+    try:
+        s = start(tmp_path_factory.mktemp("haproxy"),
+                  args=("--mode", "aggregated", "--colocate", "--ingress", "haproxy"),
+                  env={"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(DIRECT_PORTS.start),
+                       "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(DIRECT_PORTS.stop)})
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    try:
+        yield s
+    finally:
+        stop(s)
+
+
+def _listener(port: int) -> str:
+    """`ss`'s line for what listens on `port`, naming its process ("" if nothing)."""
+    return subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+
+
+def test_haproxy_carries_the_stream_the_replica_writes(direct: Served):
+    assert "haproxy" in _listener(PORT), _listener(PORT)
+    # The replica's own HTTP server answers (what HAProxy forwards to).
+    replica_ports = [p for p in DIRECT_PORTS if "ServeRepli" in _listener(p)]
+    assert len(replica_ports) == 1, [_listener(p) for p in DIRECT_PORTS]
+    with urllib.request.urlopen(f"http://127.0.0.1:{replica_ports[0]}/v1/models", timeout=30) as r:
+        assert json.load(r)["data"][0]["id"]
+
+    c = openai.OpenAI(base_url=f"{direct.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = c.models.list().data[0].id
+    whole = c.completions.create(model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
+    chunks = list(c.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                       temperature=0, stream=True))
+    assert len(chunks) > 1  # streamed, not one body
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        c.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"response_format": {"type": "nope"}})
+
+    # The gateway's span and the engine's come from one process, which says it is both.
+    def traced() -> bool:
+        roots = direct.sink.find(**{"duet.request_id": whole.id})
+        spans = direct.sink.trace(roots[0].trace_id) if roots else []
+        return {"generate"} <= {s.name for s in spans} and {s.component for s in spans} == {"gateway+aggregated"}
+
+    assert direct.sink.wait_for(traced, 60), sorted({(s.component, s.name) for s in direct.sink.spans})
