@@ -21,7 +21,7 @@ Each way gets its best layout on this machine: the in-process engine `--threads`
 back on a thread of the replica: with a second OpenMP thread it then lost ~20% to the
 replica's event loop, and two one-thread replicas did no better; docs/benchmarks.md),
 and the gateway inside that replica (`gateway.colocate`; `--relay` gives the gateway a
-replica of its own, which relays every token over Ray: 54% against 77% of in-process
+replica of its own, which relays every token over Ray: 54% against 69% of in-process
 at c=32), with HAProxy in front (`gateway.ingress: haproxy`: each connection goes to
 the replica's own HTTP server; `--ingress proxy` puts Serve's Python proxy back, which
 relays every chunk over Ray); each disaggregated pool its configured one (1 prefill + 1 decode replica, one thread
