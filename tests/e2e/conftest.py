@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from serve_process import Served, start, stop
+from serve_process import Served, running
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -23,11 +23,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    try:
-        s = start(tmp_path_factory.mktemp("serve"))
-    except RuntimeError as e:
-        pytest.fail(str(e))
-    try:
+    with running(tmp_path_factory.mktemp("serve")) as s:
         yield s
-    finally:
-        stop(s)

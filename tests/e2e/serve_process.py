@@ -6,13 +6,17 @@ The session fixture is in conftest.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from telemetry.otlp_sink import OTLPSink
 
@@ -98,3 +102,17 @@ def stop(s: Served) -> None:
             os.killpg(s.proc.pid, signal.SIGKILL)
             s.proc.wait(10)
     s.sink.close()
+
+
+@contextlib.contextmanager
+def running(root: Path, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Iterator[Served]:
+    """A started `duet serve` for a fixture: a start that fails fails the test with its
+    log; the server is stopped however the test ends."""
+    try:
+        s = start(root, args=args, env=env)
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    try:
+        yield s
+    finally:
+        stop(s)

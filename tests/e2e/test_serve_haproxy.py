@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 
 import openai
 import pytest
-from serve_process import PORT, Served, start, stop
+from serve_process import PORT, Served, running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.stops_server]
 
@@ -23,18 +24,12 @@ DIRECT_PORTS = range(30500, 30510)
 
 
 @pytest.fixture(scope="module")
-def direct(tmp_path_factory: pytest.TempPathFactory):
-    try:
-        s = start(tmp_path_factory.mktemp("haproxy"),
-                  args=("--mode", "aggregated", "--colocate", "--ingress", "haproxy"),
-                  env={"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(DIRECT_PORTS.start),
-                       "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(DIRECT_PORTS.stop)})
-    except RuntimeError as e:
-        pytest.fail(str(e))
-    try:
+def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with running(tmp_path_factory.mktemp("haproxy"),
+                 args=("--mode", "aggregated", "--colocate", "--ingress", "haproxy"),
+                 env={"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(DIRECT_PORTS.start),
+                      "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(DIRECT_PORTS.stop)}) as s:
         yield s
-    finally:
-        stop(s)
 
 
 def _listener(port: int) -> str:
