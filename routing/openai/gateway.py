@@ -206,8 +206,14 @@ class Gateway:
             await self.local.check_health()
 
     def __del__(self):
-        if getattr(self, "local", None) is not None:
-            self.local.shutdown()
+        """Serve calls this once the replica's calls have ended: a colocated engine
+        stops with it (its child process exits)."""
+        local = getattr(self, "local", None)
+        if local is not None:
+            try:
+                local.shutdown()
+            except Exception:
+                log.exception("gateway: stopping the colocated engine failed")
 
     @app.get("/v1/models")
     async def models(self, request: Request):
