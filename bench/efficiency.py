@@ -24,8 +24,8 @@ and the gateway inside that replica (`gateway.colocate`; `--relay` gives the gat
 replica of its own, which relays every token over Ray: 54% against 69% of in-process
 at c=32), with HAProxy in front (`gateway.ingress: haproxy`: each connection goes to
 the replica's own HTTP server; `--ingress proxy` puts Serve's Python proxy back, which
-relays every chunk over Ray); each disaggregated pool its configured one (1 prefill + 1 decode replica, one thread
-each).
+relays every chunk over Ray); each disaggregated pool its configured one (1 prefill +
+1 decode replica, one thread each).
 
 The prompts are loadgen's `random` workload (its seed per point), so the engine
 and the servers see the same words; each point has its own seed, so no point is

@@ -88,7 +88,6 @@ num-cpus/num-gpus from its resources, its node groups, Ray's metrics port, then
 {{- toYaml (merge (deepCopy (.extra | default dict)) (deepCopy (.base | default dict)) $p) }}
 {{- end }}
 
-{{/* The API-key Secret as a volume and its read-only mount (every Ray pod: the gateway may run on any). */}}
 {{/* A Ray pod's container env: the group's own (`env`), and what duet's config needs
 of every Ray process. `gateway.ingress: haproxy` is a Ray cluster setting: Serve reads
 it in each process it starts. Args: dict "env" (the group's list) "root" (the chart). */}}
@@ -96,11 +95,13 @@ it in each process it starts. Args: dict "env" (the group's list) "root" (the ch
 {{- $env := .env | default list -}}
 {{- if eq (dig "gateway" "ingress" "proxy" .root.Values.duet) "haproxy" -}}
 {{- $env = append $env (dict "name" "RAY_SERVE_ENABLE_HA_PROXY" "value" "1") -}}
+{{- /* the drain `duet serve` sets too (cluster/serve_cli.py HAPROXY_DRAIN_S) */ -}}
 {{- $env = append $env (dict "name" "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" "value" "5") -}}
 {{- end -}}
 {{- with $env }}{{ toYaml . }}{{ end -}}
 {{- end }}
 
+{{/* The API-key Secret as a volume and its read-only mount (every Ray pod: the gateway may run on any). */}}
 {{- define "duet.apiKeysVolume" -}}
 {{- if include "duet.apiKeysEnabled" . -}}
 - name: api-keys
