@@ -7,10 +7,12 @@ processes. Its own `duet serve` and Ray, after the session's server has stopped
 
 from __future__ import annotations
 
+import contextlib
 import json
-import subprocess
+import os
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -33,14 +35,28 @@ def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def _listener(port: int) -> str:
-    """`ss`'s line for what listens on `port`, naming its process ("" if nothing)."""
-    return subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    """The command line of the process listening on TCP `port` ("" if none), read from
+    /proc: the socket's inode in /proc/net/tcp, then the process holding it."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    return ""
 
 
 def test_haproxy_carries_the_stream_the_replica_writes(direct: Served):
     assert "haproxy" in _listener(PORT), _listener(PORT)
     # The replica's own HTTP server answers (what HAProxy forwards to).
-    replica_ports = [p for p in DIRECT_PORTS if "ServeRepli" in _listener(p)]
+    replica_ports = [p for p in DIRECT_PORTS if "ServeReplica" in _listener(p)]
     assert len(replica_ports) == 1, [_listener(p) for p in DIRECT_PORTS]
     with urllib.request.urlopen(f"http://127.0.0.1:{replica_ports[0]}/v1/models", timeout=30) as r:
         assert json.load(r)["data"][0]["id"]
