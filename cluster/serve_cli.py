@@ -66,9 +66,10 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
           serve_config: dict | None = None) -> str:
     """Deploy `cfg` (or `serve_config`, the Serve config that deploys it) and block
     until /ready answers 200; returns the base URL."""
-    if cfg.gateway.ingress == "haproxy":
-        use_haproxy(joining=bool(address) or _ray_initialized())
     import ray
+
+    if cfg.gateway.ingress == "haproxy":
+        use_haproxy(joining=bool(address) or ray.is_initialized())
     from ray import serve
 
     from cluster.app import REPLICA_ENV
@@ -95,9 +96,6 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
     return url
 
 
-# Serve reads these when its modules are imported, in every process: set before Ray
-# starts, they reach the controller, the per-node ingress managers and the replicas.
-HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
 # A stopping ingress replica keeps serving this long, so that HAProxy (which reloads
 # within 0.1 s of a change) stops sending it connections first. Ray's default, 30 s,
 # is sized for clusters whose routers update slowly; it would make every redeploy and
@@ -113,15 +111,11 @@ def use_haproxy(joining: bool) -> None:
             log.warning("gateway.ingress: haproxy needs the Ray cluster started with RAY_SERVE_ENABLE_HA_PROXY=1; "
                         "joining one, its own setting applies")
         return
-    # The driver's own copy of the flag does not matter: it deploys through the
-    # controller, which (like every Ray process) inherits this environment.
-    os.environ.update(HAPROXY_ENV)
+    # Serve reads the flag when its modules are imported, in every process: set before
+    # Ray starts, it reaches the controller, the per-node ingress managers and the
+    # replicas. The driver's own copy does not matter: it deploys through the controller.
+    os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", HAPROXY_DRAIN_S)
-
-
-def _ray_initialized() -> bool:
-    ray = sys.modules.get("ray")
-    return bool(ray is not None and ray.is_initialized())
 
 
 def _scaling(pool) -> str:
