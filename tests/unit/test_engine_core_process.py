@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -166,9 +167,14 @@ def test_the_child_exits_when_its_replica_is_killed():
         print(c.info.pid, flush=True)
         time.sleep(600)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    # posix_spawn (no cwd, no fds to close): Popen's fork path waits for the new
+    # process on a pipe that any other process forked from this test worker meanwhile
+    # also holds open, and once waited here for the whole test timeout.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    parent = subprocess.Popen([sys.executable, "-c", script], env=env, close_fds=False,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     try:
-        child = int(parent.stdout.readline())
+        child = int(_read_line(parent.stdout, deadline=time.monotonic() + 120))
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 30
@@ -177,6 +183,12 @@ def test_the_child_exits_when_its_replica_is_killed():
             time.sleep(0.05)
     finally:
         parent.kill()
+
+
+def _read_line(stream, deadline: float) -> str:
+    while not select.select([stream], [], [], 0.5)[0]:
+        assert time.monotonic() < deadline, "the replica stand-in never reported its engine core"
+    return stream.readline()
 
 
 def _alive(pid: int) -> bool:
