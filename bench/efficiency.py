@@ -25,7 +25,8 @@ replica of its own, which relays every token over Ray: 54% against 69% of in-pro
 at c=32), with HAProxy in front (`gateway.ingress: haproxy`: each connection goes to
 the replica's own HTTP server; `--ingress proxy` puts Serve's Python proxy back, which
 relays every chunk over Ray); each disaggregated pool its configured one (1 prefill +
-1 decode replica, one thread each).
+1 decode replica, one thread each), the gateway inside the decode replica (`--relay`:
+a gateway replica of its own).
 
 The prompts are loadgen's `random` workload (its seed per point), so the engine
 and the servers see the same words; each point has its own seed, so no point is
@@ -124,7 +125,7 @@ def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], inp
            engine_process: bool = True, colocate: bool = False, ingress: str = "proxy") -> list[dict]:
     cfg = load_config(overrides={"mode": mode, "gateway.port": port, "engine.dtype": dtype,
                                  "engine.stream_interval": stream_interval, "gateway.ingress": ingress,
-                                 "gateway.colocate": colocate and mode == "aggregated"})
+                                 "gateway.colocate": colocate})
     if mode == "aggregated":  # both pools' CPU reservation, shared; its threads: see the module docstring
         cfg.aggregated.threads = served_threads
         cfg.aggregated.replicas = served_replicas
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ingress", choices=["proxy", "haproxy"], default="haproxy",
                    help="the servers' gateway.ingress: Serve's Python proxy, or HAProxy to the replica's own server")
     p.add_argument("--relay", action="store_true",
-                   help="aggregated: a gateway replica of its own relays the tokens (gateway.colocate off)")
+                   help="a gateway replica of its own relays the tokens (gateway.colocate off)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--stream-interval", type=int, default=1, help="the servers' engine.stream_interval")

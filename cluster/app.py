@@ -119,7 +119,8 @@ def build_app(cfg: ClusterConfig):
     routers = router_configs(cfg)
     prefix_index = PrefixIndexConfig.model_validate(cfg.router.model_dump(include=set(PrefixIndexConfig.model_fields)))
     if cfg.mode == "aggregated" and cfg.gateway.colocate:
-        return _colocated(cfg, gateway_env, gateway_args)
+        colocated = {**_pool_args(cfg, cfg.aggregated), "engine_process": cfg.aggregated.engine_process is not False}
+        return _colocated(cfg, "aggregated", gateway_env).bind(**gateway_args, colocated=colocated)
     if cfg.mode == "aggregated":
         aggregated_opts = _options("aggregated", cfg.aggregated)
         if routers:
@@ -142,25 +143,30 @@ def build_app(cfg: ClusterConfig):
     )
     # Decode's KV events serve only prompts prefilled on decode (router.disaggregation).
     decode_events = prefix_index.model_dump() if cfg.router.disaggregation.mode != "always" else None
-    decode = serve.deployment(DecodeServer).options(**decode_opts).bind(
-        **_pool_args(cfg, cfg.decode), transfer=cfg.transfer.model_dump(), prefix_index=decode_events
-    )
-    return gateway.bind(**gateway_args, prefill=prefill, decode=decode,
-                        disaggregation=cfg.router.disaggregation.model_dump(),
-                        transfer_timeout_s=cfg.transfer.timeout_s)
+    decode_args = {**_pool_args(cfg, cfg.decode), "transfer": cfg.transfer.model_dump(), "prefix_index": decode_events}
+    pd_args = {"disaggregation": cfg.router.disaggregation.model_dump(), "transfer_timeout_s": cfg.transfer.timeout_s}
+    if cfg.gateway.colocate:
+        return _colocated(cfg, "decode", gateway_env, drain_at_least_s=cfg.transfer.lease_ttl_s + 5).bind(
+            **gateway_args, **pd_args, prefill=prefill, colocated=decode_args)
+    decode = serve.deployment(DecodeServer).options(**decode_opts).bind(**decode_args)
+    return gateway.bind(**gateway_args, **pd_args, prefill=prefill, decode=decode)
 
 
-def _colocated(cfg: ClusterConfig, env: dict, gateway_args: dict):
-    """`gateway.colocate`: one deployment, named after the pool and sized by it, whose
-    replicas each run the gateway and an aggregated engine. Serve's proxy hands each
-    HTTP request to one of them (its default routing: the KV-aware router needs the
-    tokens, ClusterConfig allows it only with one replica)."""
-    pool = cfg.aggregated
-    opts = _options("aggregated", pool)
+def _colocated(cfg: ClusterConfig, name: str, env: dict, drain_at_least_s: float = 0.0):
+    """`gateway.colocate`: the gateway as one deployment with the pool `name` (aggregated,
+    or decode), named after the pool and sized by it: each replica runs the gateway and
+    that pool's engine, and streams the tokens it makes. Serve's proxy (or HAProxy)
+    hands each HTTP request to one of them by its own rule: the KV-aware router needs
+    the prompt's tokens, so a colocated pool's replicas are chosen by load (ClusterConfig
+    allows an aggregated pool the KV-aware router only with one replica)."""
+    pool = cfg.pools()[name]
+    opts = _options(name, pool, drain_at_least_s)
     opts["ray_actor_options"]["num_cpus"] = pool.num_cpus + cfg.gateway.num_cpus
     opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
     if cfg.gateway.node_group and not pool.node_group:
         opts["ray_actor_options"]["resources"] = placement(cfg.gateway.node_group)
-    opts["max_ongoing_requests"] = cfg.gateway.max_pending_requests * 2  # the gateway's admission answers 429
-    colocated = {**_pool_args(cfg, pool), "engine_process": pool.engine_process is not False}
-    return Gateway.options(**opts).bind(**gateway_args, colocated=colocated)
+    # The gateway's admission answers 429; a decode replica also takes the passes and
+    # moved sequences the others hand on.
+    opts["max_ongoing_requests"] = cfg.gateway.max_pending_requests * 2 + (pool.max_ongoing_requests
+                                                                         if name == "decode" else 0)
+    return Gateway.options(**opts)

@@ -67,9 +67,13 @@ class ClusterConfig(Strict):
         return self
 
     def _check_colocated(self) -> None:
-        if self.mode != "aggregated":
-            raise ValueError("gateway.colocate: the gateway runs inside aggregated replicas; "
-                             "set mode: aggregated (a P/D request spans two pools)")
+        if self.scaled_pools("goodput"):
+            # The goodput policy reads end-to-end latencies from the gateway's one
+            # deployment; colocated, every pool replica is a gateway.
+            raise ValueError("gateway.colocate: the goodput policy needs the gateway as a deployment of its own; "
+                             "scale the pools by queue or fix them")
+        if self.mode == "disaggregated":
+            return  # the gateway runs in each decode replica; the prefill router still places prompts
         pool = self.aggregated
         several = pool.replicas > 1 if pool.scaling == "fixed" else pool.autoscaling.max_replicas > 1
         if several and self.router.policy == "kv_aware":

@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--replicas", type=int, default=None, help="aggregated pool replicas")
     p.add_argument("--transfer-backend", choices=["nixl", "torch"], default=None)
     p.add_argument("--colocate", action="store_true", default=None,
-                   help="aggregated mode: the gateway runs inside each aggregated replica (gateway.colocate)")
+                   help="the gateway runs inside each replica that decodes, which streams its own tokens "
+                        "(gateway.colocate)")
     p.add_argument("--ingress", choices=["proxy", "haproxy"], default=None,
                    help="what carries HTTP to the ingress replicas (gateway.ingress): Serve's proxy, or HAProxy")
     p.add_argument("--model", default=None)

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from autoscaling.signals import DecodeSignals
@@ -91,7 +91,7 @@ class DecodeServer:
 
     async def generate(
         self, req: DecodeRequest | PrefillRequest
-    ) -> AsyncIterator[list[RequestOutput] | SequenceMoved]:
+    ) -> AsyncGenerator[list[RequestOutput] | SequenceMoved, None]:
         """The request's outputs after its first token (a `DecodeRequest`: its KV is
         imported), or all of them (a `PrefillRequest`: prefilled here); a
         `SequenceMoved` last when the replica drained and handed the request on."""

@@ -15,12 +15,13 @@ class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, gt=0, lt=65536)
     num_cpus: float = Field(0.25, gt=0)
-    # Aggregated mode: run the gateway inside each aggregated replica, which is then
-    # the HTTP ingress and streams the tokens its engine makes, instead of a gateway
-    # replica of its own that relays every token from another replica over Ray.
+    # Run the gateway inside each replica that decodes (aggregated, or decode in P/D
+    # mode), which is then the HTTP ingress and streams the tokens its engine makes,
+    # instead of a gateway replica of its own that relays every token from another
+    # replica over Ray. The ingress picks that replica by load, not by KV.
     colocate: bool = False
     # What carries HTTP from the client to the ingress replicas (the gateway's, or the
-    # colocated aggregated ones). "proxy": Serve's HTTP proxy, which relays every
+    # colocated pool's). "proxy": Serve's HTTP proxy, which relays every
     # streamed chunk from the replica over Ray. "haproxy": Serve's HAProxy ingress
     # (Ray 2.60 direct ingress), which forwards each connection to the replica's own
     # HTTP server. Cluster-wide: `duet serve` starts its Ray with it; a Ray cluster it

@@ -8,6 +8,7 @@ the right status; an error after streaming began is sent as a final SSE event.
 
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 
@@ -21,11 +22,12 @@ from autoscaling.config import SLOConfig
 from autoscaling.placement import DisaggregationConfig
 from autoscaling.signals import GatewaySignals
 from decode.aggregated import AggregatedServer
+from decode.server import DecodeServer
 from engine.config import EngineConfig
 from engine.tokenizer import load_tokenizer
 from engine.weights import served_model_name
 from kvtransfer.config import TransferConfig
-from kvtransfer.messages import PrefillRequest
+from kvtransfer.messages import DecodeRequest, PrefillRequest
 from kvtransfer.replica import replica_id
 from routing.openai import pipeline
 from routing.openai.access import APIKeys, KeyLimiter, cache_salt, check_headers, read_body
@@ -92,6 +94,13 @@ def _by_choice(call: Call, outs: list) -> list[list]:
     return [[o for o in outs if o.request_id == rid] for rid in ids]
 
 
+def _own_deployment():
+    """A handle to the deployment this replica belongs to (a colocated decode replica's
+    way to the others); asked at first use, from inside the replica."""
+    ctx = serve.get_replica_context()
+    return serve.get_deployment_handle(ctx.deployment, ctx.app_name)
+
+
 def _trace_parent(request: Request) -> Context | None:
     """The client's W3C trace context: its request becomes part of the client's trace."""
     return tracing.context_from_headers(request.headers)
@@ -110,27 +119,41 @@ class Gateway:
         """`gateway`, `engine`, `telemetry`, `slo` and `disaggregation` are a dumped
         `GatewayConfig`, the pools' `EngineConfig`, a `TelemetryConfig`, an `SLOConfig`
         and the router's `DisaggregationConfig`. Aggregated mode: `aggregated` is the
-        pool's handle, or `colocated` the arguments of an `AggregatedServer` this
-        replica runs itself (`gateway.colocate`: the replica that makes the tokens
-        streams them, with no hop between replicas). Else `prefill` and `decode` are
-        the pools, and `transfer_timeout_s` bounds one KV pull (`transfer.timeout_s`)."""
+        pool's handle. Disaggregated: `prefill` and `decode` are the pools, and
+        `transfer_timeout_s` bounds one KV pull (`transfer.timeout_s`).
+
+        `colocated` (`gateway.colocate`) holds the arguments of the pool server this
+        replica runs itself, so the replica that makes the tokens streams them: an
+        `AggregatedServer` (aggregated mode, no `aggregated` handle), or, beside the
+        `prefill` handle, a `DecodeServer` whose deployment this replica is."""
         self.cfg = GatewayConfig.model_validate(gateway)
         self.engine_cfg = EngineConfig.model_validate(engine)
+        self.mode = "disaggregated" if prefill is not None else "aggregated"
+        role = "aggregated" if self.mode == "aggregated" else "decode"
         # One tracer provider a process: a colocated replica's spans all say so.
         tracing.setup_tracing(TelemetryConfig.model_validate(telemetry or {}),
-                              "gateway" if colocated is None else "gateway+aggregated")
+                              "gateway" if colocated is None else f"gateway+{role}")
         # Built early: a replica whose engine cannot start fails before it takes traffic.
-        self.local = AggregatedServer(**colocated) if colocated is not None else None
-        self.aggregated: pipeline.AggregatedPool | None = (
-            self.local if self.local is not None
-            else pipeline.RemoteAggregated(aggregated) if aggregated is not None else None)
-        self.mode = "aggregated" if self.aggregated is not None else "disaggregated"
+        self.local: AggregatedServer | DecodeServer | None = None
+        if colocated is not None:
+            self.local = AggregatedServer(**colocated) if role == "aggregated" else DecodeServer(**colocated)
+        self.aggregated: pipeline.AggregatedPool | None = None
+        self.decode: pipeline.DecodePools | None = None
+        if isinstance(self.local, AggregatedServer):
+            self.aggregated = self.local
+        elif aggregated is not None:
+            self.aggregated = pipeline.RemoteAggregated(aggregated)
+        elif isinstance(self.local, DecodeServer):
+            # What this replica's lost or draining engine leaves goes to the others.
+            self.decode = pipeline.DecodePools(self.local, pipeline.RemoteDecode(_own_deployment))
+        else:
+            self.decode = pipeline.DecodePools(pipeline.RemoteDecode(decode))
         self.model_name = served_model_name(self.engine_cfg)
         self.max_model_len = self.engine_cfg.max_model_len
         self.tokenizer = load_tokenizer(self.engine_cfg.model)
         self.chat_template = Path(self.cfg.chat_template).read_text() if self.cfg.chat_template else None
         self.tool_format = tool_format(self.chat_template or self.tokenizer.chat_template, self.cfg.tool_format)
-        self.prefill, self.decode = prefill, decode
+        self.prefill = prefill
         # Not `self.metrics`: that name is the /metrics route below.
         self.gateway_metrics = GatewayMetrics(replica_id())
         self.record = self.gateway_metrics.recorder
@@ -190,14 +213,25 @@ class Gateway:
     async def _pool_stats(self) -> dict[str, dict]:
         if self.aggregated is not None:
             return {"aggregated": await self.aggregated.stats()}
-        return {"prefill": await self.prefill.stats.remote(), "decode": await self.decode.stats.remote()}
+        assert self.decode is not None
+        return {"prefill": await self.prefill.stats.remote(), "decode": await self.decode.first.stats()}
 
     async def stats(self) -> dict:
-        """A colocated replica answers as the aggregated replica it also is (its
-        deployment carries the pool's name), for operators and the tests."""
+        """A colocated replica answers as the pool replica it also is (its deployment
+        carries the pool's name), for operators and the tests."""
         if self.local is None:
             raise RuntimeError("stats(): only a colocated gateway has a pool of its own; ask the pools")
         return await self.local.stats()
+
+    async def generate(self, req: DecodeRequest | PrefillRequest):
+        """A colocated decode replica's `generate` (decode/server.py), for the other
+        replicas of its deployment: a pass migrated off them, or a sequence one hands
+        on as it drains."""
+        if not isinstance(self.local, DecodeServer):
+            raise RuntimeError("generate(): only a gateway colocated with a decode engine decodes")
+        async with contextlib.aclosing(self.local.generate(req)) as items:
+            async for item in items:
+                yield item
 
     async def check_health(self) -> None:
         """Serve's health check: a colocated engine that died fails it, and Serve
@@ -313,6 +347,7 @@ class Gateway:
         def choice(req: PrefillRequest):
             if self.aggregated is not None:
                 return pipeline.aggregated(self.aggregated, req)
+            assert self.decode is not None
             return pipeline.disaggregated(self.prefill, self.decode, req, record.timing, self.resilience,
                                           self.placement, record.placed, router_view.cluster_view)
 

@@ -130,15 +130,16 @@ class Outcome(StrEnum):
 
 
 async def disaggregated(
-    prefill_handle, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience = Resilience(),
+    prefill_handle, decode: DecodePools, req: PrefillRequest, timing: Timing, resilience: Resilience = Resilience(),
     placement: DisaggregationConfig = _ALWAYS, placed: Callable[[Placement], None] | None = None,
     cluster_view: Callable[[PrefillRequest], Awaitable[ClusterView | None]] | None = None,
 ) -> AsyncIterator[list[RequestOutput]]:
     """The request's output batches across as many passes as replica losses need: each
     pass continues from every token the client has been sent (`req.session_id` is the
-    prefill router's hint, `req.trace` the context both pools continue). Each pass is
-    placed by `placement`'s rule (priced from `cluster_view`, what the routers know, under
-    `auto`), and `placed` is told where."""
+    prefill router's hint, `req.trace` the context both pools continue). The first pass
+    decodes on `decode.first`, every later one (and a sequence a draining replica hands
+    on) on `decode.elsewhere`. Each pass is placed by `placement`'s rule (priced from
+    `cluster_view`, what the routers know, under `auto`), and `placed` is told where."""
     view = _ClientView(req.request_id, req.num_prompt_tokens)
     generated: list[int] = []  # every token streamed so far, across passes
     for hop in itertools.count():
@@ -153,18 +154,19 @@ async def disaggregated(
             prompt_token_ids=req.prompt_token_ids + tuple(generated), sampling=remaining,
             fork_of=req.fork_of if hop == 0 else None,
         )
+        pools = decode if hop == 0 else DecodePools(decode.elsewhere)
         one: _Pass | _LocalPass
         if sub.fork_of is not None:  # to the decode replica its sibling runs on, to fork its KV there
-            one = _LocalPass(decode_handle, sub, timing, resilience)
+            one = _LocalPass(pools, sub, timing, resilience)
         else:
             seen = await _view(cluster_view, sub) if placement.mode == "auto" else None
             decision = choose_placement(sub.num_prompt_tokens, placement, seen)
             if placed is not None:
                 placed(decision)
             if decision.where is Where.LOCAL:
-                one = _LocalPass(decode_handle, sub, timing, resilience)
+                one = _LocalPass(pools, sub, timing, resilience)
             else:
-                one = _Pass(prefill_handle, decode_handle, sub, timing, resilience)
+                one = _Pass(prefill_handle, pools, sub, timing, resilience)
         base = len(generated)
         # Closed with us (aclosing), so a client that leaves cancels the decode call and
         # rejects the lease now, not when the abandoned generator is collected.
@@ -191,56 +193,111 @@ async def _view(view: Callable[[PrefillRequest], Awaitable[ClusterView | None]] 
         return None
 
 
+class DecodePool(Protocol):
+    """What the pipeline uses of a decode pool: a request's stream of output batches
+    (and a `SequenceMoved` last when the replica hands it on), closed to cancel it. A
+    handle to the decode deployment (`RemoteDecode`), or, when the gateway runs inside
+    a decode replica (`gateway.colocate`), that replica's own server (decode/server.py)."""
+
+    def generate(self, req: DecodeRequest | PrefillRequest,
+                 ) -> AsyncGenerator[list[RequestOutput] | SequenceMoved, None]: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+
+class RemoteDecode:
+    """A decode deployment behind its handle (and its request router). `handle` may be
+    a callable that returns it, asked on first use: a colocated replica's handle to its
+    own deployment cannot be bound when the application is built."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    @property
+    def handle(self):
+        if callable(self._handle) and not hasattr(self._handle, "options"):
+            self._handle = self._handle()
+        return self._handle
+
+    async def generate(self, req: DecodeRequest | PrefillRequest,
+                       ) -> AsyncGenerator[list[RequestOutput] | SequenceMoved, None]:
+        stream = self.handle.options(stream=True).generate.remote(req)
+        try:
+            async for item in stream:
+                yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            stream.cancel()
+            raise
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.handle.stats.remote()
+
+
+@dataclass(frozen=True)
+class DecodePools:
+    """Where a request decodes: `first`, the pool its first pass goes to (this replica's
+    own when the gateway is colocated); `elsewhere`, the pool for what a lost or
+    draining replica leaves (a migrated pass, a moved sequence): the deployment."""
+
+    first: DecodePool
+    elsewhere: DecodePool
+
+    def __init__(self, first: DecodePool, elsewhere: DecodePool | None = None):
+        object.__setattr__(self, "first", first)
+        object.__setattr__(self, "elsewhere", first if elsewhere is None else elsewhere)
+
+
 class _Decoding:
     """A pass's decode calls: the first, and one more each time a draining decode
     replica hands the sequence on (`SequenceMoved`: its KV leased there, pulled by
     the next replica, no prefill). `outcome` says how the last one ended."""
 
-    def __init__(self, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience):
-        self.decode, self.req, self.timing, self.resilience = decode_handle, req, timing, resilience
+    def __init__(self, pools: DecodePools, req: PrefillRequest, timing: Timing, resilience: Resilience):
+        self.pools, self.req, self.timing, self.resilience = pools, req, timing, resilience
         self.outcome = Outcome.DONE
 
     async def follow(self, call: DecodeRequest, first: list[RequestOutput] | None = None,
-                     ) -> AsyncGenerator[list[RequestOutput], None]:
-        """`call` decoded to its end, following each move; `first` (the prefill's first
-        token) is yielded under the first call's lease."""
+                     pool: DecodePool | None = None) -> AsyncGenerator[list[RequestOutput], None]:
+        """`call` decoded to its end on `pool` (the first pool by default), following
+        each move to the pool elsewhere; `first` (the prefill's first token) is yielded
+        under the first call's lease."""
+        pool = pool or self.pools.first
         while True:
             moved: list[SequenceMoved] = []
-            async with contextlib.aclosing(self._one(call, first, moved)) as batches:
+            async with contextlib.aclosing(self._one(pool, call, first, moved)) as batches:
                 async for outs in batches:
                     yield outs
             if not moved or self.outcome is not Outcome.DONE:
                 return
-            first, call = None, moved[0].request
+            first, call, pool = None, moved[0].request, self.pools.elsewhere
             self.timing.moves += 1
             log.info("request %s: decode replica %s drained; its sequence moved with its KV",
                      self.req.request_id, moved[0].from_replica)
 
-    async def _one(self, call: DecodeRequest, first: list[RequestOutput] | None, moved: list[SequenceMoved],
-                   ) -> AsyncGenerator[list[RequestOutput], None]:
-        """One decode call under a `LeaseGuard` on its handle; a `SequenceMoved` it ends
-        with goes into `moved`."""
+    async def _one(self, pool: DecodePool, call: DecodeRequest, first: list[RequestOutput] | None,
+                   moved: list[SequenceMoved]) -> AsyncGenerator[list[RequestOutput], None]:
+        """One decode call to `pool` under a `LeaseGuard` on its handle; a
+        `SequenceMoved` it ends with goes into `moved`. Closing the call's stream (on
+        every way out) cancels it."""
         handle = call.kv_handle
         async with LeaseGuard(handle, _REJECT_TIMEOUT_S) as lease:
             if first:
                 yield first
-            stream = self.decode.options(stream=True).generate.remote(call)
             finished = False  # the request's final output came through
             try:
-                batches = stream.__aiter__()
-                grace = self.resilience.decode_start_grace_s
-                item = await _first_batch(batches, max(0.0, handle.lease_expiry - time.time()) + grace)
-                while True:
-                    if isinstance(item, SequenceMoved):
-                        moved.append(item)
-                    else:
-                        finished = item[-1].finished
-                        yield item
-                    item = await batches.__anext__()
+                async with contextlib.aclosing(pool.generate(call)) as batches:
+                    grace = self.resilience.decode_start_grace_s
+                    item = await _first_batch(batches, max(0.0, handle.lease_expiry - time.time()) + grace)
+                    while True:
+                        if isinstance(item, SequenceMoved):
+                            moved.append(item)
+                        else:
+                            finished = item[-1].finished
+                            yield item
+                        item = await batches.__anext__()
             except StopAsyncIteration:
                 lease.settled()  # decode imported the KV (and released the lease), then streamed to the end
             except (asyncio.CancelledError, GeneratorExit, UpstreamError):
-                stream.cancel()
                 raise
             except Exception as e:
                 if finished or moved:  # lost after the end, or after handing the sequence on
@@ -278,9 +335,10 @@ class _Pass:
     `LeaseGuard`, following moves). `outcome` says how it ended; a failure it cannot
     recover from raises `UpstreamError`."""
 
-    def __init__(self, prefill_handle, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience):
+    def __init__(self, prefill_handle, pools: DecodePools, req: PrefillRequest, timing: Timing,
+                 resilience: Resilience):
         self.prefill, self.req, self.timing, self.resilience = prefill_handle, req, timing, resilience
-        self.decoding = _Decoding(decode_handle, req, timing, resilience)
+        self.decoding = _Decoding(pools, req, timing, resilience)
 
     @property
     def outcome(self) -> Outcome:
@@ -307,9 +365,9 @@ class _LocalPass:
     lost mid-stream migrates the request as `_Pass` does, and one that drains hands it
     on (`_Decoding`); `outcome` says how it ended."""
 
-    def __init__(self, decode_handle, req: PrefillRequest, timing: Timing, resilience: Resilience):
-        self.decode, self.req, self.timing, self.resilience = decode_handle, req, timing, resilience
-        self.decoding = _Decoding(decode_handle, req, timing, resilience)
+    def __init__(self, pools: DecodePools, req: PrefillRequest, timing: Timing, resilience: Resilience):
+        self.pools, self.req, self.timing, self.resilience = pools, req, timing, resilience
+        self.decoding = _Decoding(pools, req, timing, resilience)
         self._outcome = Outcome.DONE
 
     @property
@@ -317,18 +375,17 @@ class _LocalPass:
         return self._outcome if self._outcome is not Outcome.DONE else self.decoding.outcome
 
     async def run(self) -> AsyncGenerator[list[RequestOutput], None]:
-        stream = self.decode.options(stream=True).generate.remote(self.req)
         finished = False
         moved: SequenceMoved | None = None
         try:
-            async for item in stream:
-                if isinstance(item, SequenceMoved):
-                    moved = item
-                    continue
-                finished = item[-1].finished
-                yield item
+            async with contextlib.aclosing(self.pools.first.generate(self.req)) as stream:
+                async for item in stream:
+                    if isinstance(item, SequenceMoved):
+                        moved = item
+                        continue
+                    finished = item[-1].finished
+                    yield item
         except (asyncio.CancelledError, GeneratorExit):
-            stream.cancel()
             raise
         except Exception as e:
             if finished:
@@ -342,7 +399,8 @@ class _LocalPass:
         if moved is None:
             return
         self.timing.moves += 1
-        async with contextlib.aclosing(self.decoding.follow(moved.request)) as batches:
+        # It was handed on by a draining replica: it continues on another one.
+        async with contextlib.aclosing(self.decoding.follow(moved.request, pool=self.pools.elsewhere)) as batches:
             async for outs in batches:
                 yield outs
 

@@ -98,8 +98,9 @@ CLUSTERS: dict[str, dict] = {
     # No migration or prefill retry: a killed replica's request fails (test_failures.py).
     "nixl": {"gateway.max_migrations": 0, "gateway.prefill_retries": 0},
     # N-gram speculative decoding in the pools that decode: every greedy test of these
-    # two proves it exact through a served path (test_cluster_api.py).
-    "torch": {"transfer.backend": "torch", "engine.speculative": SPECULATIVE},
+    # two proves it exact through a served path (test_cluster_api.py). "torch" also runs
+    # the gateway inside its decode replica (gateway.colocate): that replica streams.
+    "torch": {"transfer.backend": "torch", "engine.speculative": SPECULATIVE, "gateway.colocate": True},
     "aggregated": {"mode": "aggregated", "engine.speculative": SPECULATIVE},
     # The same, with the gateway inside the aggregated replica (gateway.colocate).
     "colocated": {"mode": "aggregated", "gateway.colocate": True, "engine.speculative": SPECULATIVE},

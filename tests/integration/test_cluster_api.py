@@ -254,6 +254,37 @@ def test_speculative_decoding_is_exact_through_the_pool_that_decodes(duet, refer
     assert after["spec_verify_steps"] > before["spec_verify_steps"]
 
 
+@pytest.mark.parametrize("setup", [p for p in SETUPS if p.values[0] in ("torch", "colocated")])
+def test_the_replica_that_decodes_is_the_ingress(duet, setup):
+    """gateway.colocate: no gateway deployment; HTTP reaches the pool that decodes
+    (decode in P/D, aggregated otherwise), and it answers for the whole app."""
+    from ray import serve
+
+    from cluster.serve_cli import APP_NAME
+
+    pool = "decode" if duet.cfg.mode == "disaggregated" else "aggregated"
+    assert set(serve.status().applications[APP_NAME].deployments) == set(duet.cfg.pools())
+    with httpx.Client(base_url=duet.url, timeout=30) as h:
+        r = h.get("/ready")
+        assert r.status_code == 200 and r.json()["mode"] == duet.cfg.mode
+    assert duet.stats(pool)["replica_id"].startswith(f"{pool}#")
+
+
+@pytest.mark.cluster("torch")
+def test_a_colocated_decode_replica_decodes_for_the_others(duet, reference):
+    """Its `generate` (the call a pass migrated off another decode replica, or a
+    sequence one hands on as it drains, reaches it by: `pipeline.RemoteDecode` on the
+    deployment's handle) streams greedy tokens equal to the single-process engine's."""
+    from engine.tokenizer import load_tokenizer
+    from kvtransfer.messages import PrefillRequest
+
+    ids = tuple(load_tokenizer(duet.cfg.engine.model).encode(PROMPT))
+    req = PrefillRequest("colocated-generate", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    outs = [o for batch in duet.handle("decode").options(stream=True).generate.remote(req) for o in batch]
+    assert outs[-1].finished
+    assert "".join(o.text for o in outs) == reference["completion"][0]
+
+
 @pytest.mark.cluster("nixl")
 def test_probes_and_models(duet):
     with httpx.Client(base_url=duet.url, timeout=30) as h:

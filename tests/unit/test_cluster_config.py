@@ -104,10 +104,13 @@ def test_only_the_aggregated_pool_may_run_its_engine_in_a_child(pool):
         load_config(overrides={f"{pool}.engine_process": True})
 
 
-def test_the_gateway_colocates_only_with_aggregated_replicas_it_can_route_among():
+def test_the_gateway_colocates_only_with_replicas_it_can_route_among():
     assert load_config(overrides={"mode": "aggregated", "gateway.colocate": True}).gateway.colocate
-    with pytest.raises(ConfigError, match="gateway.colocate: .* set mode: aggregated"):
-        load_config(overrides={"gateway.colocate": True})
+    # P/D: in the decode replicas, several of them and the KV-aware router (it places prefills).
+    assert load_config(overrides={"gateway.colocate": True, "decode.replicas": 2}).gateway.colocate
+    # The goodput policy reads latencies from the gateway's own deployment.
+    with pytest.raises(ConfigError, match="gateway.colocate: the goodput policy"):
+        load_config(overrides={"gateway.colocate": True, "decode.autoscaling": {"policy": "goodput"}})
     # Serve's proxy picks the replica from HTTP alone: the KV-aware router cannot.
     with pytest.raises(ConfigError, match="KV-aware router cannot choose"):
         load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2})

@@ -134,6 +134,12 @@ class FakeDecode:
                 yield [out]
 
 
+def pools(decode, elsewhere=None) -> pipeline.DecodePools:
+    """Fake decode deployments as the pipeline sees them: behind their handles."""
+    return pipeline.DecodePools(pipeline.RemoteDecode(decode),
+                                None if elsewhere is None else pipeline.RemoteDecode(elsewhere))
+
+
 async def collect(gen):
     return [o async for outs in gen for o in outs]
 
@@ -161,7 +167,7 @@ async def test_a_lost_decode_replica_migrates_the_request(make_engine, prompt, r
     prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[10])
     timing = pipeline.Timing()
     outs = await collect(pipeline.disaggregated(
-        prefill, decode, request(prompt), timing, resilience=pipeline.Resilience(max_migrations=1)))
+        prefill, pools(decode), request(prompt), timing, resilience=pipeline.Resilience(max_migrations=1)))
     assert [t for o in outs for t in o.new_token_ids] == reference
     assert timing.migrations == 1
     # the continuation re-prefilled the prompt + the 11 tokens streamed (1 from prefill, 10 from decode)
@@ -182,8 +188,9 @@ async def test_a_migrated_structured_request_resumes_its_document(make_engine):
     sp = SamplingParams(max_tokens=40, temperature=0, structured=StructuredOutput.json_schema(schema))
     want = engine.generate([prompt], sp)[0]
     decode = FakeDecode(make_engine(), die_after=[4])
-    outs = await collect(pipeline.disaggregated(FakePrefill(engine), decode, PrefillRequest("req", tuple(prompt), sp),
-                                                pipeline.Timing(), resilience=pipeline.Resilience(max_migrations=1)))
+    outs = await collect(pipeline.disaggregated(FakePrefill(engine), pools(decode),
+                                                PrefillRequest("req", tuple(prompt), sp), pipeline.Timing(),
+                                                resilience=pipeline.Resilience(max_migrations=1)))
     got = [t for o in outs for t in o.new_token_ids]
     assert got == want.token_ids and outs[-1].finish_reason == FinishReason.STOP
     assert set(json.loads(engine.tokenizer.decode(got))) == {"name", "age"}
@@ -195,10 +202,10 @@ async def test_past_the_migration_limit_the_request_fails(make_engine, prompt):
     prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[3, 3])
     with pytest.raises(pipeline.UpstreamError, match=r"decode failed \(migration limit 1 reached\)"):
         await collect(pipeline.disaggregated(
-            prefill, decode, request(prompt), pipeline.Timing(), resilience=pipeline.Resilience(1)))
+            prefill, pools(decode), request(prompt), pipeline.Timing(), resilience=pipeline.Resilience(1)))
     with pytest.raises(pipeline.UpstreamError):
         await collect(pipeline.disaggregated(
-            FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[3]), request(prompt),
+            FakePrefill(make_engine()), pools(FakeDecode(make_engine(), die_after=[3])), request(prompt),
             pipeline.Timing()))  # no migrations allowed
 
 
@@ -206,11 +213,11 @@ async def test_a_lost_prefill_replica_is_retried(make_engine, prompt, reference)
     prefill, decode = FakePrefill(make_engine(), die_times=1), FakeDecode(make_engine(), die_after=[])
     timing = pipeline.Timing()
     outs = await collect(pipeline.disaggregated(
-        prefill, decode, request(prompt), timing, resilience=pipeline.Resilience(prefill_retries=1)))
+        prefill, pools(decode), request(prompt), timing, resilience=pipeline.Resilience(prefill_retries=1)))
     assert [t for o in outs for t in o.new_token_ids] == reference and timing.prefill_retries == 1
     with pytest.raises(pipeline.UpstreamError, match="prefill failed"):
         await collect(pipeline.disaggregated(
-            FakePrefill(make_engine(), die_times=2), decode, request(prompt, "req2"), pipeline.Timing(),
+            FakePrefill(make_engine(), die_times=2), pools(decode), request(prompt, "req2"), pipeline.Timing(),
             resilience=pipeline.Resilience(prefill_retries=1)))
 
 
@@ -221,7 +228,7 @@ async def test_kv_lost_with_its_prefill_replica_is_prefilled_again(make_engine, 
     decode = FakeDecode(make_engine(), die_after=[], import_fails=[RejectReason.TRANSFER_FAILED])
     timing = pipeline.Timing()
     outs = await collect(pipeline.disaggregated(
-        prefill, decode, request(prompt), timing, resilience=pipeline.Resilience(prefill_retries=1)))
+        prefill, pools(decode), request(prompt), timing, resilience=pipeline.Resilience(prefill_retries=1)))
     assert [t for o in outs for t in o.new_token_ids] == reference
     assert (timing.prefill_retries, timing.migrations) == (1, 0)
     assert prefill.calls[1] == ("req.m1", prompt + reference[:1], GREEDY.max_tokens - 1)
@@ -234,7 +241,7 @@ async def test_import_failures_that_are_not_retried_fail_the_request(make_engine
     # Out of retries, or a failure another prefill would not cure (capacity, config).
     decode = FakeDecode(make_engine(), die_after=[], import_fails=[reason, reason])
     with pytest.raises(pipeline.UpstreamError, match=reason) as err:
-        await collect(pipeline.disaggregated(FakePrefill(make_engine()), decode, request(prompt),
+        await collect(pipeline.disaggregated(FakePrefill(make_engine()), pools(decode), request(prompt),
                                              pipeline.Timing(), resilience=pipeline.Resilience(1, retries)))
     assert err.value.capacity == (reason == RejectReason.NO_FREE_BLOCKS)
     assert len(decode.requests) == 1
@@ -269,7 +276,7 @@ async def test_a_decode_call_no_replica_starts_fails_once_its_lease_is_over(make
     prefill, decode = FakePrefill(make_engine(), lease_s=0.1), _NeverStarted()
     resilience = pipeline.Resilience(decode_start_grace_s=0.2)
     with pytest.raises(pipeline.UpstreamError, match="no decode replica started the request") as e:
-        await collect(pipeline.disaggregated(prefill, decode, request(prompt), pipeline.Timing(), resilience))
+        await collect(pipeline.disaggregated(prefill, pools(decode), request(prompt), pipeline.Timing(), resilience))
     assert e.value.capacity  # a 503: retry later
     assert decode.cancelled  # the Serve call is withdrawn
 
@@ -289,8 +296,8 @@ async def test_a_client_that_leaves_mid_decode_cancels_the_call_and_rejects_the_
             streams.append(stream)
             return stream
 
-    gen = pipeline.disaggregated(FakePrefill(make_engine()), Decode(make_engine(), die_after=[]), request(prompt),
-                                 pipeline.Timing())
+    gen = pipeline.disaggregated(FakePrefill(make_engine()), pools(Decode(make_engine(), die_after=[])),
+                                 request(prompt), pipeline.Timing())
     got = [await gen.__anext__() for _ in range(3)]  # the first token, then two from decode
     assert len(got) == 3
     await gen.aclose()  # the client went away
@@ -307,8 +314,8 @@ async def test_a_request_out_of_time_during_prefill_cancels_the_prefill_call(mak
             await asyncio.Event().wait()  # still computing when the request runs out of time
 
     prefill = Slow(make_engine())
-    gen = pipeline.within(pipeline.disaggregated(prefill, FakeDecode(make_engine(), die_after=[]), request(prompt),
-                                                 pipeline.Timing()), timeout_s=0.2)
+    gen = pipeline.within(pipeline.disaggregated(prefill, pools(FakeDecode(make_engine(), die_after=[])),
+                                                 request(prompt), pipeline.Timing()), timeout_s=0.2)
     with pytest.raises(APIError, match="did not finish within 0.2 s") as e:
         await collect(gen)
     assert e.value.status == 504
@@ -318,7 +325,7 @@ async def test_a_request_out_of_time_during_prefill_cancels_the_prefill_call(mak
 async def test_a_finished_request_leaves_its_lease_to_decode(make_engine, prompt, monkeypatch):
     rejected = []
     monkeypatch.setattr("kvtransfer.handoff.reject_lease", lambda *a, **k: rejected.append(a))
-    await collect(pipeline.disaggregated(FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[]),
+    await collect(pipeline.disaggregated(FakePrefill(make_engine()), pools(FakeDecode(make_engine(), die_after=[])),
                                          request(prompt), pipeline.Timing()))
     assert rejected == []  # decode released it
 
@@ -332,7 +339,7 @@ async def test_a_decode_replica_lost_after_the_final_output_is_not_a_migration(m
 
     prefill = FakePrefill(make_engine())
     timing = pipeline.Timing()
-    outs = await collect(pipeline.disaggregated(prefill, DiesAfterTheEnd(make_engine(), die_after=[]),
+    outs = await collect(pipeline.disaggregated(prefill, pools(DiesAfterTheEnd(make_engine(), die_after=[])),
                                                 request(prompt), timing,
                                                 resilience=pipeline.Resilience(max_migrations=1)))
     assert [t for o in outs for t in o.new_token_ids] == reference
@@ -346,7 +353,7 @@ AUTO = DisaggregationConfig(mode="auto", max_local_prompt_tokens=64)
 async def test_auto_prefills_a_short_prompt_where_it_decodes(make_engine, prompt, reference):
     prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[])
     placed: list[Placement] = []
-    outs = await collect(pipeline.disaggregated(prefill, decode, request(prompt), pipeline.Timing(),
+    outs = await collect(pipeline.disaggregated(prefill, pools(decode), request(prompt), pipeline.Timing(),
                                                 placement=AUTO, placed=placed.append))
     assert [t for o in outs for t in o.new_token_ids] == reference
     assert prefill.calls == [] and isinstance(decode.requests[0], PrefillRequest)
@@ -358,7 +365,7 @@ async def test_auto_sends_a_long_prompt_through_prefill(make_engine, prompt):
     prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[])
     placed: list[Placement] = []
     short = DisaggregationConfig(mode="auto", max_local_prompt_tokens=len(prompt) - 1)
-    await collect(pipeline.disaggregated(prefill, decode, request(prompt), pipeline.Timing(), placement=short,
+    await collect(pipeline.disaggregated(prefill, pools(decode), request(prompt), pipeline.Timing(), placement=short,
                                          placed=placed.append))
     assert len(prefill.calls) == 1 and not isinstance(decode.requests[0], PrefillRequest)
     assert placed == [Placement(Where.REMOTE, "long_prompt")]
@@ -368,7 +375,7 @@ async def test_a_local_pass_whose_replica_is_lost_migrates(make_engine, prompt, 
     """The continuation is placed again (prompt + the 10 tokens streamed: still short)."""
     prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[10])
     timing, placed = pipeline.Timing(), []
-    outs = await collect(pipeline.disaggregated(prefill, decode, request(prompt), timing,
+    outs = await collect(pipeline.disaggregated(prefill, pools(decode), request(prompt), timing,
                                                 pipeline.Resilience(max_migrations=1), AUTO, placed.append))
     assert [t for o in outs for t in o.new_token_ids] == reference
     assert timing.migrations == 1 and prefill.calls == []
@@ -381,8 +388,8 @@ async def test_a_local_pass_whose_replica_is_lost_migrates(make_engine, prompt, 
 async def test_a_local_pass_past_the_migration_limit_fails_cleanly(make_engine, prompt):
     decode = FakeDecode(make_engine(), die_after=[3])
     with pytest.raises(pipeline.UpstreamError, match="decode failed"):
-        await collect(pipeline.disaggregated(FakePrefill(make_engine()), decode, request(prompt), pipeline.Timing(),
-                                             pipeline.Resilience(max_migrations=0), AUTO))
+        await collect(pipeline.disaggregated(FakePrefill(make_engine()), pools(decode), request(prompt),
+                                             pipeline.Timing(), pipeline.Resilience(max_migrations=0), AUTO))
 
 
 async def test_a_request_that_ended_at_prefill_without_a_token_is_one_final_output():
@@ -397,7 +404,7 @@ async def test_a_request_that_ended_at_prefill_without_a_token_is_one_final_outp
             return PrefillResult(req.request_id, None, None, 0, len(req.prompt_token_ids),
                                  finish_reason=FinishReason.GRAMMAR_DEAD_END)
 
-    outs = await collect(pipeline.disaggregated(DeadEnd(), None, request([1, 2, 3]), pipeline.Timing()))
+    outs = await collect(pipeline.disaggregated(DeadEnd(), pools(None), request([1, 2, 3]), pipeline.Timing()))
     assert len(outs) == 1 and outs[0].finished and outs[0].new_token_ids == []
     assert outs[0].finish_reason == FinishReason.GRAMMAR_DEAD_END and outs[0].num_output_tokens == 0
 
@@ -478,7 +485,7 @@ async def test_a_draining_decode_replica_hands_the_sequence_on_without_a_prefill
     prefill, decode = FakePrefill(make_engine()), draining(move_after=7)
     timing = pipeline.Timing()
     placement = DisaggregationConfig(mode="auto", max_local_prompt_tokens=64 if where == "local" else 1)
-    outs = await collect(pipeline.disaggregated(prefill, decode, request(prompt), timing, placement=placement))
+    outs = await collect(pipeline.disaggregated(prefill, pools(decode), request(prompt), timing, placement=placement))
     assert [t for o in outs for t in o.new_token_ids] == reference
     assert (timing.moves, timing.migrations, timing.prefill_retries) == (1, 0, 0)
     assert len(prefill.calls) == (0 if where == "local" else 1)  # nothing was prefilled again
@@ -493,8 +500,69 @@ async def test_a_draining_decode_replica_hands_the_sequence_on_without_a_prefill
 async def test_a_moved_sequence_whose_kv_does_not_arrive_is_recomputed(draining, make_engine, prompt, reference):
     prefill, decode = FakePrefill(make_engine()), draining(move_after=5, fail_move_import=True)
     timing = pipeline.Timing()
-    outs = await collect(pipeline.disaggregated(prefill, decode, request(prompt), timing,
+    outs = await collect(pipeline.disaggregated(prefill, pools(decode), request(prompt), timing,
                                                 resilience=pipeline.Resilience(max_migrations=1)))
     assert [t for o in outs for t in o.new_token_ids] == reference
     assert (timing.moves, timing.migrations) == (1, 1)
     assert prefill.calls[1][0] == "req.m1"  # recomputed from prompt + what was streamed
+
+
+class Via:
+    """A decode pool that records the calls it carries to `target` (another fake)."""
+
+    def __init__(self, target):
+        self.target, self.requests = target, []
+        self.generate = _Remote(self._generate)
+
+    def options(self, stream: bool):
+        return self
+
+    def _generate(self, req):
+        self.requests.append(req)
+        return self.target.generate.remote(req)
+
+
+@pytest.mark.parametrize("where", ["remote", "local"])
+async def test_a_colocated_replica_decodes_the_first_pass_and_hands_a_drained_sequence_to_the_others(
+        draining, make_engine, prompt, reference, where):
+    """`gateway.colocate` in P/D mode: the gateway's own decode engine takes the request
+    (`DecodePools.first`); the sequence it hands on as it drains goes to the deployment."""
+    prefill, decode = FakePrefill(make_engine()), draining(move_after=7)
+    here, others = Via(decode), Via(decode)
+    timing = pipeline.Timing()
+    placement = DisaggregationConfig(mode="auto", max_local_prompt_tokens=64 if where == "local" else 1)
+    outs = await collect(pipeline.disaggregated(prefill, pools(here, others), request(prompt), timing,
+                                                placement=placement))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert [type(r) for r in here.requests] == [PrefillRequest if where == "local" else DecodeRequest]
+    assert len(others.requests) == 1 and others.requests[0].resume is not None
+    assert timing.moves == 1
+
+
+async def test_a_colocated_replica_whose_engine_is_lost_migrates_the_request_to_the_others(
+        make_engine, prompt, reference):
+    prefill = FakePrefill(make_engine())
+    here, others = FakeDecode(make_engine(), die_after=[10]), FakeDecode(make_engine(), die_after=[])
+    timing = pipeline.Timing()
+    outs = await collect(pipeline.disaggregated(prefill, pools(here, others), request(prompt), timing,
+                                                resilience=pipeline.Resilience(max_migrations=1)))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert timing.migrations == 1 and len(here.requests) == 1 and len(others.requests) == 1
+    assert others.requests[0].request_id == "req.m1"
+
+
+async def test_a_remote_decode_pool_asks_for_its_handle_once_at_first_use(make_engine, prompt, reference):
+    """A colocated replica's way to the other decode replicas: the handle to its own
+    deployment cannot be bound into the app, so it is asked for when first needed."""
+    made = []
+
+    def handle():
+        made.append(FakeDecode(make_engine(), die_after=[]))
+        return made[-1]
+
+    remote = pipeline.RemoteDecode(handle)
+    assert made == []
+    for rid in ("a", "b"):
+        outs = [o async for batch in remote.generate(request(prompt, rid)) for o in batch]
+        assert [t for o in outs for t in o.new_token_ids] == reference
+    assert len(made) == 1 and len(made[0].requests) == 2

@@ -131,3 +131,22 @@ def test_a_colocated_gateway_is_the_aggregated_pool_itself():
     assert colocated["threads"] == 2 and colocated["engine_process"] is True
     assert colocated["engine"] == cfg.pool_engine(cfg.aggregated).model_dump()
     assert "aggregated" not in deployment.init_kwargs  # no handle to another deployment
+
+
+def test_a_colocated_gateway_in_pd_mode_is_the_decode_pool_itself():
+    """Two deployments: prefill, and decode whose replicas run the gateway too (with
+    a handle to prefill, none to another decode deployment), reserve the pool's CPU
+    and the gateway's, and drain as long as a decode replica's leases last."""
+    from cluster.app import build_app
+
+    cfg = load_config(None, {"gateway.colocate": True, "decode.replicas": 2, "transfer.lease_ttl_s": 7.0})
+    names = [d["name"] for d in serve_config(cfg)["applications"][0]["deployments"]]
+    assert sorted(names) == ["decode", "prefill"]
+    deployment = build_app(cfg)._bound_deployment
+    assert deployment.name == "decode"
+    assert deployment.ray_actor_options["num_cpus"] == cfg.decode.num_cpus + cfg.gateway.num_cpus
+    assert deployment._deployment_config.graceful_shutdown_timeout_s >= 7.0 + 5
+    kwargs = deployment.init_kwargs
+    assert kwargs["colocated"]["engine"] == cfg.pool_engine(cfg.decode).model_dump()
+    assert kwargs["colocated"]["transfer"] == cfg.transfer.model_dump()
+    assert "decode" not in kwargs and kwargs["prefill"] is not None
