@@ -25,8 +25,8 @@ replica of its own, which relays every token over Ray: 54% against 69% of in-pro
 at c=32), with HAProxy in front (`gateway.ingress: haproxy`: each connection goes to
 the replica's own HTTP server; `--ingress proxy` puts Serve's Python proxy back, which
 relays every chunk over Ray); each disaggregated pool its configured one (1 prefill +
-1 decode replica, one thread each), the gateway inside the decode replica (`--relay`:
-a gateway replica of its own).
+1 decode replica, `--prefill-threads` and `--decode-threads` each, 1 by default), the
+gateway inside the decode replica (`--relay`: a gateway replica of its own).
 
 The prompts are loadgen's `random` workload (its seed per point), so the engine
 and the servers see the same words; each point has its own seed, so no point is
@@ -122,7 +122,8 @@ def in_process(points: list[tuple[int, list[str]]], warmup: list[str], output_le
 
 def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], input_len: int, output_len: int,
            served_threads: int, served_replicas: int, dtype: str, port: int, stream_interval: int,
-           engine_process: bool = True, colocate: bool = False, ingress: str = "proxy") -> list[dict]:
+           engine_process: bool = True, colocate: bool = False, ingress: str = "proxy",
+           pd_threads: tuple[int, int] = (1, 1)) -> list[dict]:
     cfg = load_config(overrides={"mode": mode, "gateway.port": port, "engine.dtype": dtype,
                                  "engine.stream_interval": stream_interval, "gateway.ingress": ingress,
                                  "gateway.colocate": colocate})
@@ -131,6 +132,8 @@ def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], inp
         cfg.aggregated.replicas = served_replicas
         cfg.aggregated.num_cpus = (cfg.prefill.num_cpus + cfg.decode.num_cpus) / served_replicas
         cfg.aggregated.engine_process = engine_process
+    else:
+        cfg.prefill.threads, cfg.decode.threads = pd_threads
     url = serve_cli.start(cfg)
     rows = []
     try:
@@ -184,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the servers' gateway.ingress: Serve's Python proxy, or HAProxy to the replica's own server")
     p.add_argument("--relay", action="store_true",
                    help="a gateway replica of its own relays the tokens (gateway.colocate off)")
+    p.add_argument("--prefill-threads", type=int, default=1, help="the disaggregated prefill replica's threads")
+    p.add_argument("--decode-threads", type=int, default=1, help="the disaggregated decode replica's threads")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--stream-interval", type=int, default=1, help="the servers' engine.stream_interval")
@@ -197,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
                     "torch": torch.__version__, "threads": a.threads, "served_threads": a.served_threads,
                     "served_replicas": a.served_replicas, "engine_process": not a.engine_thread,
-                    "colocate": not a.relay, "ingress": a.ingress},
+                    "colocate": not a.relay, "ingress": a.ingress,
+                    "pd_threads": [a.prefill_threads, a.decode_threads]},
         "workload": {"input_len": a.input_len, "output_len": a.output_len, "dtype": a.dtype,
                      "stream_interval": a.stream_interval,
                      "requests": {c: len(ps) for c, ps in points}},
@@ -208,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in a.modes:
         print(mode, flush=True)
         result[mode] = served(mode, points, seeds, a.input_len, a.output_len, a.served_threads, a.served_replicas,
-                              a.dtype, a.port, a.stream_interval, not a.engine_thread, not a.relay, a.ingress)
+                              a.dtype, a.port, a.stream_interval, not a.engine_thread, not a.relay, a.ingress,
+                              (a.prefill_threads, a.decode_threads))
     print(table(result))
     write_json(a.json, result)
     return 0
