@@ -142,12 +142,12 @@ class Gateway:
         if isinstance(self.local, AggregatedServer):
             self.aggregated = self.local
         elif aggregated is not None:
-            self.aggregated = pipeline.RemoteAggregated(aggregated)
+            self.aggregated = pipeline.RemotePool(aggregated)
         elif isinstance(self.local, DecodeServer):
             # What this replica's lost or draining engine leaves goes to the others.
-            self.decode = pipeline.DecodePools(self.local, pipeline.RemoteDecode(_own_deployment))
+            self.decode = pipeline.DecodePools(self.local, pipeline.RemotePool(_own_deployment))
         else:
-            self.decode = pipeline.DecodePools(pipeline.RemoteDecode(decode))
+            self.decode = pipeline.DecodePools(pipeline.RemotePool(decode))
         self.model_name = served_model_name(self.engine_cfg)
         self.max_model_len = self.engine_cfg.max_model_len
         self.tokenizer = load_tokenizer(self.engine_cfg.model)

@@ -196,7 +196,7 @@ async def _view(view: Callable[[PrefillRequest], Awaitable[ClusterView | None]] 
 class DecodePool(Protocol):
     """What the pipeline uses of a decode pool: a request's stream of output batches
     (and a `SequenceMoved` last when the replica hands it on), closed to cancel it. A
-    handle to the decode deployment (`RemoteDecode`), or, when the gateway runs inside
+    handle to the decode deployment (`RemotePool`), or, when the gateway runs inside
     a decode replica (`gateway.colocate`), that replica's own server (decode/server.py)."""
 
     def generate(self, req: DecodeRequest | PrefillRequest,
@@ -205,10 +205,11 @@ class DecodePool(Protocol):
     async def stats(self) -> dict[str, Any]: ...
 
 
-class RemoteDecode:
-    """A decode deployment behind its handle (and its request router). `handle` may be
-    a callable that returns it, asked on first use: a colocated replica's handle to its
-    own deployment cannot be bound when the application is built."""
+class RemotePool:
+    """A pool's deployment behind its handle (and its request router): what
+    `DecodePool` and `AggregatedPool` ask, as Serve calls. `handle` may be a callable
+    that returns it, asked on first use: a colocated replica's handle to its own
+    deployment cannot be bound when the application is built."""
 
     def __init__(self, handle):
         self._handle = handle
@@ -219,8 +220,8 @@ class RemoteDecode:
             self._handle = self._handle()
         return self._handle
 
-    async def generate(self, req: DecodeRequest | PrefillRequest,
-                       ) -> AsyncGenerator[list[RequestOutput] | SequenceMoved, None]:
+    async def generate(self, req: DecodeRequest | PrefillRequest) -> AsyncGenerator[Any, None]:
+        """The call's stream, cancelled when it is closed before its end."""
         stream = self.handle.options(stream=True).generate.remote(req)
         try:
             async for item in stream:
@@ -619,31 +620,12 @@ def _remaining(sp: SamplingParams, generated: list[int]) -> SamplingParams | Non
 
 class AggregatedPool(Protocol):
     """What the gateway uses of the aggregated pool: a handle to its deployment
-    (`RemoteAggregated`), or, when the gateway runs inside an aggregated replica
+    (`RemotePool`), or, when the gateway runs inside an aggregated replica
     (`gateway.colocate`), that replica's own server (decode/aggregated.py)."""
 
     def generate(self, req: PrefillRequest) -> AsyncGenerator[list[RequestOutput], None]: ...
 
     async def stats(self) -> dict[str, Any]: ...
-
-
-class RemoteAggregated:
-    """The aggregated deployment behind its handle (and its request router)."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    async def generate(self, req: PrefillRequest) -> AsyncGenerator[list[RequestOutput], None]:
-        stream = self.handle.options(stream=True).generate.remote(req)
-        try:
-            async for outs in stream:
-                yield outs
-        except (asyncio.CancelledError, GeneratorExit):
-            stream.cancel()
-            raise
-
-    async def stats(self) -> dict[str, Any]:
-        return await self.handle.stats.remote()
 
 
 async def aggregated(pool: AggregatedPool, req: PrefillRequest) -> AsyncIterator[list[RequestOutput]]:

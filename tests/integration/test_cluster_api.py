@@ -273,7 +273,7 @@ def test_the_replica_that_decodes_is_the_ingress(duet, setup):
 @pytest.mark.cluster("torch")
 def test_a_colocated_decode_replica_decodes_for_the_others(duet, reference):
     """Its `generate` (the call a pass migrated off another decode replica, or a
-    sequence one hands on as it drains, reaches it by: `pipeline.RemoteDecode` on the
+    sequence one hands on as it drains, reaches it by: `pipeline.RemotePool` on the
     deployment's handle) streams greedy tokens equal to the single-process engine's."""
     from engine.tokenizer import load_tokenizer
     from kvtransfer.messages import PrefillRequest

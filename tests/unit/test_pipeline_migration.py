@@ -136,8 +136,8 @@ class FakeDecode:
 
 def pools(decode, elsewhere=None) -> pipeline.DecodePools:
     """Fake decode deployments as the pipeline sees them: behind their handles."""
-    return pipeline.DecodePools(pipeline.RemoteDecode(decode),
-                                None if elsewhere is None else pipeline.RemoteDecode(elsewhere))
+    return pipeline.DecodePools(pipeline.RemotePool(decode),
+                                None if elsewhere is None else pipeline.RemotePool(elsewhere))
 
 
 async def collect(gen):
@@ -560,7 +560,7 @@ async def test_a_remote_decode_pool_asks_for_its_handle_once_at_first_use(make_e
         made.append(FakeDecode(make_engine(), die_after=[]))
         return made[-1]
 
-    remote = pipeline.RemoteDecode(handle)
+    remote = pipeline.RemotePool(handle)
     assert made == []
     for rid in ("a", "b"):
         outs = [o async for batch in remote.generate(request(prompt, rid)) for o in batch]
