@@ -147,7 +147,7 @@ class Gateway:
             # What this replica's lost or draining engine leaves goes to the others.
             self.decode = pipeline.DecodePools(self.local, pipeline.RemotePool(_own_deployment))
         else:
-            self.decode = pipeline.DecodePools(pipeline.RemotePool(decode))
+            self.decode = pipeline.DecodePools.one(pipeline.RemotePool(decode))
         self.model_name = served_model_name(self.engine_cfg)
         self.max_model_len = self.engine_cfg.max_model_len
         self.tokenizer = load_tokenizer(self.engine_cfg.model)

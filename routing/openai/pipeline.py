@@ -154,7 +154,7 @@ async def disaggregated(
             prompt_token_ids=req.prompt_token_ids + tuple(generated), sampling=remaining,
             fork_of=req.fork_of if hop == 0 else None,
         )
-        pools = decode if hop == 0 else DecodePools(decode.elsewhere)
+        pools = decode if hop == 0 else DecodePools.one(decode.elsewhere)
         one: _Pass | _LocalPass
         if sub.fork_of is not None:  # to the decode replica its sibling runs on, to fork its KV there
             one = _LocalPass(pools, sub, timing, resilience)
@@ -243,9 +243,10 @@ class DecodePools:
     first: DecodePool
     elsewhere: DecodePool
 
-    def __init__(self, first: DecodePool, elsewhere: DecodePool | None = None):
-        object.__setattr__(self, "first", first)
-        object.__setattr__(self, "elsewhere", first if elsewhere is None else elsewhere)
+    @classmethod
+    def one(cls, pool: DecodePool) -> DecodePools:
+        """Every pass to the same pool (a gateway of its own: the deployment)."""
+        return cls(pool, pool)
 
 
 class _Decoding:
@@ -298,7 +299,7 @@ class _Decoding:
                         item = await batches.__anext__()
             except StopAsyncIteration:
                 lease.settled()  # decode imported the KV (and released the lease), then streamed to the end
-            except (asyncio.CancelledError, GeneratorExit, UpstreamError):
+            except UpstreamError:  # no replica started it: the lease is rejected on the way out
                 raise
             except Exception as e:
                 if finished or moved:  # lost after the end, or after handing the sequence on
@@ -386,8 +387,6 @@ class _LocalPass:
                         continue
                     finished = item[-1].finished
                     yield item
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
         except Exception as e:
             if finished:
                 return

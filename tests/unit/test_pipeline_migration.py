@@ -136,8 +136,8 @@ class FakeDecode:
 
 def pools(decode, elsewhere=None) -> pipeline.DecodePools:
     """Fake decode deployments as the pipeline sees them: behind their handles."""
-    return pipeline.DecodePools(pipeline.RemotePool(decode),
-                                None if elsewhere is None else pipeline.RemotePool(elsewhere))
+    first = pipeline.RemotePool(decode)
+    return pipeline.DecodePools(first, first if elsewhere is None else pipeline.RemotePool(elsewhere))
 
 
 async def collect(gen):
