@@ -129,12 +129,12 @@ def build_app(cfg: ClusterConfig):
             **_pool_args(cfg, cfg.aggregated), engine_process=cfg.aggregated.engine_process is not False,
             prefix_index=prefix_index.model_dump() if routers else None)
         return gateway.bind(**gateway_args, aggregated=pool)
-    prefill_opts = _options("prefill", cfg.prefill, drain_at_least_s=cfg.transfer.lease_ttl_s + 5)
-    # A draining decode replica's leases (sequences it moved) outlive its calls, too.
-    decode_opts = _options("decode", cfg.decode, drain_at_least_s=cfg.transfer.lease_ttl_s + 5)
+    # A prefill replica's leases outlive its calls; so do a draining decode replica's
+    # (the sequences it moved).
+    lease_drain_s = cfg.transfer.lease_ttl_s + 5
+    prefill_opts = _options("prefill", cfg.prefill, drain_at_least_s=lease_drain_s)
     if routers:
         prefill_opts["request_router_config"] = routers["prefill"]
-        decode_opts["request_router_config"] = routers["decode"]
     prefill = serve.deployment(PrefillServer).options(**prefill_opts).bind(
         **_pool_args(cfg, cfg.prefill),
         transfer=cfg.transfer.model_dump(),
@@ -146,8 +146,11 @@ def build_app(cfg: ClusterConfig):
     decode_args = {**_pool_args(cfg, cfg.decode), "transfer": cfg.transfer.model_dump(), "prefix_index": decode_events}
     pd_args = {"disaggregation": cfg.router.disaggregation.model_dump(), "transfer_timeout_s": cfg.transfer.timeout_s}
     if cfg.gateway.colocate:
-        return _colocated(cfg, "decode", gateway_env, drain_at_least_s=cfg.transfer.lease_ttl_s + 5).bind(
+        return _colocated(cfg, "decode", gateway_env, drain_at_least_s=lease_drain_s).bind(
             **gateway_args, **pd_args, prefill=prefill, colocated=decode_args)
+    decode_opts = _options("decode", cfg.decode, drain_at_least_s=lease_drain_s)
+    if routers:
+        decode_opts["request_router_config"] = routers["decode"]
     decode = serve.deployment(DecodeServer).options(**decode_opts).bind(**decode_args)
     return gateway.bind(**gateway_args, **pd_args, prefill=prefill, decode=decode)
 

@@ -14,12 +14,16 @@ import openai
 import pytest
 import torch
 from duet_cluster import wait_baseline
+from ray import serve
 
+from cluster.serve_cli import APP_NAME
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
+from engine.tokenizer import load_tokenizer
 from engine.weights import SMOLLM2_ID
+from kvtransfer.messages import PrefillRequest
 from routing.openai.protocol import ChatCompletionRequest
 
 pytestmark = pytest.mark.integration
@@ -258,10 +262,6 @@ def test_speculative_decoding_is_exact_through_the_pool_that_decodes(duet, refer
 def test_the_replica_that_decodes_is_the_ingress(duet, setup):
     """gateway.colocate: no gateway deployment; HTTP reaches the pool that decodes
     (decode in P/D, aggregated otherwise), and it answers for the whole app."""
-    from ray import serve
-
-    from cluster.serve_cli import APP_NAME
-
     pool = "decode" if duet.cfg.mode == "disaggregated" else "aggregated"
     assert set(serve.status().applications[APP_NAME].deployments) == set(duet.cfg.pools())
     with httpx.Client(base_url=duet.url, timeout=30) as h:
@@ -275,9 +275,6 @@ def test_a_colocated_decode_replica_decodes_for_the_others(duet, reference):
     """Its `generate` (the call a pass migrated off another decode replica, or a
     sequence one hands on as it drains, reaches it by: `pipeline.RemotePool` on the
     deployment's handle) streams greedy tokens equal to the single-process engine's."""
-    from engine.tokenizer import load_tokenizer
-    from kvtransfer.messages import PrefillRequest
-
     ids = tuple(load_tokenizer(duet.cfg.engine.model).encode(PROMPT))
     req = PrefillRequest("colocated-generate", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     outs = [o for batch in duet.handle("decode").options(stream=True).generate.remote(req) for o in batch]
