@@ -143,7 +143,8 @@ def build_app(cfg: ClusterConfig):
     )
     # Decode's KV events serve only prompts prefilled on decode (router.disaggregation).
     decode_events = prefix_index.model_dump() if cfg.router.disaggregation.mode != "always" else None
-    decode_args = {**_pool_args(cfg, cfg.decode), "transfer": cfg.transfer.model_dump(), "prefix_index": decode_events}
+    decode_args = {**_pool_args(cfg, cfg.decode), "transfer": cfg.transfer.model_dump(), "prefix_index": decode_events,
+                   "engine_process": cfg.decode.engine_process}
     pd_args = {"disaggregation": cfg.router.disaggregation.model_dump(), "transfer_timeout_s": cfg.transfer.timeout_s}
     if cfg.gateway.colocate:
         return _colocated(cfg, "decode", gateway_env, drain_at_least_s=lease_drain_s).bind(

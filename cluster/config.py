@@ -59,11 +59,10 @@ class ClusterConfig(Strict):
                              "use queue or fixed in aggregated mode")
         if self.gateway.colocate:
             self._check_colocated()
-        for name in ("prefill", "decode"):
-            if getattr(self, name).engine_process:
-                # Their KV tensor is registered with NIXL and LMCache in the replica's
-                # own process, so their engine stays there.
-                raise ValueError(f"{name}.engine_process: only the aggregated pool runs its engine in its own process")
+        if self.prefill.engine_process:
+            # Its LMCache connector works on the engine's internals in the replica's
+            # own process, so its engine stays there.
+            raise ValueError("prefill.engine_process: the prefill pool runs its engine on a thread of the replica")
         return self
 
     def _check_colocated(self) -> None:

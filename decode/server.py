@@ -31,8 +31,9 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from autoscaling.signals import DecodeSignals
-from engine.async_engine import start_engine
-from engine.config import EngineConfig
+from engine.async_engine import AsyncEngine, start_engine
+from engine.config import ConfigError, EngineConfig, resolve_device
+from engine.core_client import EngineCoreClient
 from engine.engine import MovedSequence
 from engine.request import FinishReason, RequestOutput
 from kvtransfer.backends import backend_for
@@ -56,15 +57,26 @@ class DecodeServer:
 
     Constructor arguments are dumped settings: `engine` an `EngineConfig`, `transfer`
     a `TransferConfig`, `prefix_index` a `PrefixIndexConfig` (where its KV events go;
-    None: it publishes none), `telemetry` a `TelemetryConfig`.
+    None: it publishes none), `telemetry` a `TelemetryConfig`; `engine_process` the
+    pool's setting of that name.
     """
 
     def __init__(self, engine: dict, threads: int, transfer: dict, prefix_index: dict | None = None,
-                 telemetry: dict | None = None):
+                 telemetry: dict | None = None, engine_process: bool | None = None):
         self.transfer = TransferConfig.model_validate(transfer)
         self.replica_id = replica_id()
         engine_cfg = EngineConfig.model_validate(engine)
-        self.aengine = start_engine(engine_cfg, "decode", threads, kv_events=prefix_index is not None)
+        kv_events = prefix_index is not None
+        # The engine core in a child process, its KV tensor in shared memory that this
+        # process maps and registers with the transfer backend: on a CPU unless the
+        # pool says otherwise (a CUDA KV tensor is not shared that way).
+        on_cpu = resolve_device(engine_cfg.device) == "cpu"
+        if engine_process and not on_cpu:
+            raise ConfigError("decode.engine_process", "a decode engine runs in its own process on a CPU only")
+        self.aengine: AsyncEngine | EngineCoreClient = (
+            EngineCoreClient(engine_cfg, "decode", threads, kv_events=kv_events)
+            if (on_cpu if engine_process is None else engine_process)
+            else start_engine(engine_cfg, "decode", threads, kv_events=kv_events))
         # What this replica caches (imported prompts, local prefills, generated tokens),
         # published only when prompts may be prefilled here (`router.disaggregation` not
         # `always`): the decode router places them by it and `auto` prices them with it.
@@ -73,7 +85,7 @@ class DecodeServer:
             PrefixIndexConfig.model_validate(prefix_index).of_pool("decode"), engine_cfg.block_size,
             self.replica_id, self.aengine.take_kv_events)
         self.backend = backend_for(self.transfer, self.replica_id, self.aengine.model_id, host=node_ip())
-        self.backend.register(self.aengine.engine.kv_cache.data)  # before the engine serves anything
+        self.backend.register(self.aengine.kv_data)  # before the engine serves anything
         self.telemetry = ReplicaTelemetry(telemetry, "decode", self.replica_id, self._metric_stats)
         self.importer = KVImporter(
             self.backend, self.aengine, timeout_s=self.transfer.timeout_s, lease_ttl_s=self.transfer.lease_ttl_s,

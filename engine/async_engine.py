@@ -67,6 +67,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="duet-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def kv_data(self) -> torch.Tensor:
+        """The engine's KV tensor, for the replica's transfer backend to register."""
+        return self.engine.kv_cache.data
+
     # ------------------------------------------------------------ engine thread
     def _loop(self) -> None:
         try:

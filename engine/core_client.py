@@ -1,15 +1,18 @@
 """`EngineCoreClient`: a replica's handle on its engine core process (engine/core_process.py).
 
-It offers what the aggregated replica uses of `AsyncEngine` (requests as streams of
-output batches, aborts, the stats snapshot, KV events, health, shutdown), so the
-replica does not know which one it holds. One reader thread receives the child's
+It offers what the aggregated and decode replicas use of `AsyncEngine` (requests as
+streams of output batches, aborts, imported requests and the blocks they reserve,
+moving sequences out, the stats snapshot, KV events, health, shutdown), so a replica
+does not know which one it holds. One reader thread receives the child's
 messages; each step's outputs reach their requests' asyncio queues in one hand-off
 per event loop, and a consumer drains what is ready at once (`async_engine.drain`).
 One writer thread sends the commands, in the order they were given.
 
-Only the aggregated role runs this way today: prefill and decode register their KV
-tensor with NIXL and LMCache in the replica's process, and that registration would
-have to move into the child with the engine.
+A decode replica registers its KV tensor with its transfer backend (NIXL, gloo) in
+its own process: the child allocates that tensor in shared memory and the client maps
+it (`kv_data`), so a pull lands in the pages the engine reads. CPU only: a CUDA KV
+tensor is not shared this way. The prefill pool still runs its engine on a thread
+(its LMCache connector reads the engine's internals).
 """
 
 from __future__ import annotations
@@ -25,16 +28,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.async_engine import EngineDead, Streams, drain, hand_off, route
 from engine.config import EngineConfig, Role
 from engine.core_process import EngineInfo
+from engine.engine import MovedSequence
 from engine.kv_events import KVEvent
-from engine.request import RequestOutput
+from engine.request import RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
@@ -42,14 +48,18 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # loading and warming a large checkpoint on a slow disk
 STOP_TIMEOUT_S = 5.0
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+PROCESS_ROLES: tuple[Role, ...] = ("aggregated", "decode")
+
+# What the reader thread does with a call's reply before its caller sees it.
+OnReply = Callable[[Any], Any]
 
 
 class EngineCoreClient:
     """Starts the engine core child, waits until it is warm, and talks to it."""
 
     def __init__(self, cfg: EngineConfig, role: Role, threads: int, kv_events: bool = False):
-        if role != "aggregated":
-            raise ValueError("only the aggregated role runs its engine in its own process")
+        if role not in PROCESS_ROLES:
+            raise ValueError(f"the {role} role does not run its engine in its own process")
         ours, theirs = socket.socketpair()
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         env["PYTHONPATH"] = os.pathsep.join([_PROJECT_ROOT, *filter(None, [env.get("PYTHONPATH")])])
@@ -61,7 +71,7 @@ class EngineCoreClient:
         # the socket's buffer until the child reads it between steps, and the replica's
         # event loop must not wait for that.
         self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
-        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._calls: dict[int, tuple[concurrent.futures.Future, OnReply | None]] = {}
         self._call_ids = itertools.count()
         self._streams: Streams = {}
         self._events: list[KVEvent] = []
@@ -69,7 +79,8 @@ class EngineCoreClient:
         self._error: BaseException | None = None
         self._stopping = False
         try:
-            self._conn.send(("init", cfg.model_dump(), role, threads, kv_events))
+            # Decode imports KV into the engine's tensor from this process: share it.
+            self._conn.send(("init", cfg.model_dump(), role, threads, kv_events, role == "decode"))
             info, stats = self._wait_ready()
         except BaseException:
             self._kill()
@@ -81,6 +92,8 @@ class EngineCoreClient:
         self.block_size = info.block_size
         self.num_kv_blocks = info.num_kv_blocks
         self.stream_interval = info.stream_interval
+        # The engine's KV tensor mapped here (decode), for the transfer backend.
+        self._kv_data = info.shared_kv.attach() if info.shared_kv is not None else None
         self._reader = threading.Thread(target=self._read, name="duet-engine-core-reader", daemon=True)
         self._reader.start()
         self._writer = threading.Thread(target=self._write, name="duet-engine-core-writer", daemon=True)
@@ -98,6 +111,13 @@ class EngineCoreClient:
             raise EngineDead(f"engine core failed to start: {msg[1]}")
         return msg[1], msg[2]
 
+    @property
+    def kv_data(self) -> torch.Tensor:
+        """The engine's KV tensor mapped into this process (a decode engine's only)."""
+        if self._kv_data is None:
+            raise RuntimeError("this engine core does not share its KV tensor")
+        return self._kv_data
+
     # ------------------------------------------------------------ reader thread
     def _read(self) -> None:
         try:
@@ -106,20 +126,32 @@ class EngineCoreClient:
                 if msg[0] == "step":
                     self._on_step(msg[1], msg[2], msg[3])
                 elif msg[0] == "reply":
-                    with self._lock:
-                        fut = self._calls.pop(msg[1], None)
-                    # A caller cancelled while it waited has cancelled this future too.
-                    if fut is not None and fut.set_running_or_notify_cancel():
-                        if msg[2]:
-                            fut.set_result(msg[3])
-                        else:
-                            fut.set_exception(msg[3])
+                    self._on_reply(msg[1], msg[2], msg[3])
                 elif msg[0] == "died":
                     raise EngineDead(msg[1])
         except BaseException as e:
             if isinstance(e, (EOFError, OSError)):
                 e = EngineDead(f"engine core exited ({self.proc.poll()})")
             self._fail_all(e)
+
+    def _on_reply(self, call_id: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            fut, on_reply = self._calls.pop(call_id, (None, None))
+        if fut is None:
+            return
+        if ok and on_reply is not None:
+            # Here, before the reader takes the next message (the step after this reply),
+            # and even if the caller has stopped waiting.
+            try:
+                value = on_reply(value)
+            except Exception as e:
+                ok, value = False, e
+        # A caller cancelled while it waited has cancelled this future too.
+        if fut.set_running_or_notify_cancel():
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
 
     def _write(self) -> None:
         while (msg := self._outbox.get()) is not None:
@@ -143,7 +175,7 @@ class EngineCoreClient:
             self._error = e
             calls, self._calls = self._calls, {}
             streams, self._streams = self._streams, {}
-        for fut in calls.values():
+        for fut, _ in calls.values():
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(e)
         for loop, q in streams.values():
@@ -160,16 +192,20 @@ class EngineCoreClient:
     def _send(self, msg: tuple) -> None:
         self._outbox.put(msg)
 
-    async def _call(self, *msg: Any) -> Any:
+    def _submit(self, *msg: Any, on_reply: OnReply | None = None) -> concurrent.futures.Future:
+        """Send a command; its reply resolves the future. From any thread."""
         self.check_health()
         call_id = next(self._call_ids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._error is not None:  # lost between the health check and here
                 raise EngineDead(str(self._error))
-            self._calls[call_id] = fut
+            self._calls[call_id] = (fut, on_reply)
         self._send((msg[0], call_id, *msg[1:]))
-        return await asyncio.wrap_future(fut)
+        return fut
+
+    async def _call(self, *msg: Any, on_reply: OnReply | None = None) -> Any:
+        return await asyncio.wrap_future(self._submit(*msg, on_reply=on_reply))
 
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None,
@@ -178,12 +214,37 @@ class EngineCoreClient:
         """Start a request from its prompt; its stream of output batches (as
         `AsyncEngine.add_request`). The stream is registered before the child hears of
         the request, so no output can arrive unclaimed."""
+        prompt = list(prompt_token_ids)
+        return await self._start(request_id, lambda: ("add", request_id, prompt, sampling, cache_salt, fork_of))
+
+    async def add_imported_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        sampling: SamplingParams,
+        take_blocks: Callable[[], list[int] | None],
+        cache_salt: str | None = None,
+        resume: ResumeState | None = None,
+    ) -> AsyncGenerator[list[RequestOutput], None]:
+        """Start a request whose prompt KV was imported into `kv_data` (as
+        `AsyncEngine.add_imported_request`). The blocks are taken as the command is
+        sent, so from then on they are the child's: it frees them if the request
+        never starts, and an abort frees them after."""
+        prompt = list(prompt_token_ids)
+        return await self._start(request_id, lambda: ("add_imported", request_id, prompt, first_token, sampling,
+                                                      take_blocks(), cache_salt, resume))
+
+    async def _start(self, request_id: str, command: Callable[[], tuple]) -> AsyncGenerator[list[RequestOutput], None]:
+        """Register the request's stream, then send the command that starts it (built
+        only now, so blocks it takes go out at once): no output can arrive unclaimed."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[request_id] = (loop, q)
         try:
-            await self._call("add", request_id, list(prompt_token_ids), sampling, cache_salt, fork_of)
+            self.check_health()
+            await self._call(*command())
         except asyncio.CancelledError:
             await asyncio.shield(self.abort(request_id))  # it may have started: nobody reads it
             raise
@@ -192,6 +253,38 @@ class EngineCoreClient:
                 self._streams.pop(request_id, None)
             raise
         return drain(request_id, q, self.stream_interval, self.abort)
+
+    async def reserve_blocks(self, num_tokens: int) -> list[int] | None:
+        """Free blocks for `num_tokens` of imported KV, or None while the pool (or the
+        running batch) is full."""
+        return await self._call("reserve", num_tokens)
+
+    def could_ever_hold(self, num_tokens: int) -> bool:
+        """Whether the whole pool, empty, holds `num_tokens` (the pool's size never changes)."""
+        return -(-num_tokens // self.block_size) <= self.num_kv_blocks
+
+    def release_blocks(self, block_ids: list[int]) -> concurrent.futures.Future:
+        """Free blocks nobody will use; from any thread, without waiting."""
+        return self._submit("release", list(block_ids))
+
+    async def move_out(self, request_ids: list[str], on_moved: Callable[[MovedSequence], None]) -> list[str]:
+        """Take these requests' decoding sequences out of the engine (as
+        `AsyncEngine.move_out`). `on_moved` gets each on the reader thread, before the
+        step that ends its stream is delivered; one that raises has its blocks freed."""
+
+        def lease(moved: list[MovedSequence]) -> list[str]:
+            ids = []
+            for seq in moved:
+                try:
+                    on_moved(seq)
+                except Exception:
+                    log.exception("moving %s out: its blocks could not be leased", seq.request_id)
+                    self.release_blocks(seq.block_ids)
+                    continue
+                ids.append(seq.request_id)
+            return ids
+
+        return await self._call("move_out", list(request_ids), on_reply=lease)
 
     async def abort(self, request_id: str) -> None:
         with self._lock:

@@ -15,12 +15,20 @@ faster channel (shared memory, ZeroMQ) would buy nothing measurable here
 (docs/benchmarks.md).
 
 Messages, parent → child: `("add", call_id, request_id, prompt_ids, sampling,
-cache_salt, fork_of)`, `("abort", call_id, request_id)`, `("stop",)`.
+cache_salt, fork_of)`; a decode replica's import, `("add_imported", call_id,
+request_id, prompt_ids, first_token, sampling, block_ids, cache_salt, resume)` with
+`("reserve", call_id, num_tokens)` and `("release", call_id, block_ids)` around it;
+`("move_out", call_id, request_ids)` (a draining decode replica; the reply is the
+`MovedSequence`s, sent before the step that ends their streams); `("abort", call_id,
+request_id)`; `("stop",)`.
 Child → parent: `("ready", EngineInfo)` once, `("reply", call_id, ok, value)`,
 `("step", outputs, stats, kv_events)`, `("died", message)` before a fatal exit.
 
 Started as `python -m engine.core_process FD`, the socket's descriptor inherited; the
-first message on it is `("init", engine_config_dict, role, threads, kv_events)`. The
+first message on it is `("init", engine_config_dict, role, threads, kv_events,
+share_kv)`. With `share_kv` the KV tensor lives in shared memory and `EngineInfo`
+says where, so a decode replica registers it with NIXL (or gloo) in its own process
+and pulls straight into the pages this engine reads. The
 child exits when the socket closes or its parent changes (the replica died): it is
 never an orphan that holds a core.
 """
@@ -38,7 +46,10 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from engine.engine import Engine
+    from engine.kv_cache import SharedKV
     from engine.sampling_params import SamplingParams
     from engine.structured import GrammarMatcher
 
@@ -58,18 +69,21 @@ class EngineInfo:
     num_kv_blocks: int
     stream_interval: int
     pid: int
+    shared_kv: SharedKV | None  # the KV tensor, for the replica to register with its transfer backend
 
 
 @dataclass
-class _Add:
-    """An `add` command: what the engine's `add_request` takes, and whom to answer."""
+class _Start:
+    """A command that starts a request (`add`, `add_imported`), and whom to answer. A
+    structured request waits for its grammar first; an imported one owns `blocks`
+    until it starts (they are freed here if it never does)."""
 
     call_id: int
     request_id: str
-    prompt: list[int]
     sampling: SamplingParams
-    cache_salt: str | None
-    fork_of: str | None
+    output_ids: list[int]  # a request taken over: the output its grammar has consumed
+    start: Callable[[GrammarMatcher | None], object]
+    blocks: list[int] | None = None
 
 
 class _Core:
@@ -82,7 +96,8 @@ class _Core:
         # A large JSON schema takes milliseconds or more to compile: never in the step
         # loop. A request waits here until its matcher is ready, then starts.
         self.grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="duet-grammar")
-        self.compiling: list[tuple[concurrent.futures.Future, _Add]] = []
+        self.compiling: list[tuple[concurrent.futures.Future, _Start]] = []
+        self.changed = False  # a command changed the engine since the last message
         self.parent = os.getppid()
 
     def run(self) -> None:
@@ -91,12 +106,13 @@ class _Core:
             busy = stepping or bool(self.compiling)
             if not self._read_commands(0.0 if stepping else GRAMMAR_POLL_S if busy else IDLE_POLL_S):
                 return
-            changed = self._start_compiled()
+            self._start_compiled()
             if self.engine.has_unfinished():
                 outputs = self.engine.step()
                 self._send_step(outputs)
-            elif changed:
+            elif self.changed:  # e.g. blocks reserved or released: the stats moved
                 self._send_step([])
+            self.changed = False
             if not busy and os.getppid() != self.parent:
                 return  # the replica is gone (its socket end may live on in a grandchild)
 
@@ -111,53 +127,84 @@ class _Core:
                 return False
             if msg[0] == "stop":
                 return False
+            self.changed = True
             self._command(msg)
         return True
 
     def _command(self, msg: tuple) -> None:
         kind, call_id = msg[0], msg[1]
+        eng = self.engine
         try:
             if kind == "add":
-                add = _Add(*msg[1:])
-                if add.sampling.structured is not None:
-                    fut = self.grammar_pool.submit(self.engine.grammars.matcher, add.sampling.structured, [])
-                    self.compiling.append((fut, add))
-                    return  # replied once it starts
-                self._add(add, None)
+                _, _, request_id, prompt, sampling, cache_salt, fork_of = msg
+                self._start(_Start(call_id, request_id, sampling, [], lambda grammar: eng.add_request(
+                    prompt, sampling, request_id=request_id, grammar=grammar, cache_salt=cache_salt,
+                    fork_of=fork_of)))
+            elif kind == "add_imported":
+                _, _, request_id, prompt, first_token, sampling, blocks, cache_salt, resume = msg
+                num_output = 1 if resume is None else resume.num_output_tokens
+                self._start(_Start(call_id, request_id, sampling, [*prompt, first_token][-num_output:],
+                                   lambda grammar: eng.add_imported_request(
+                                       request_id, prompt, first_token, sampling, blocks, grammar=grammar,
+                                       cache_salt=cache_salt, resume=resume),
+                                   blocks))
             elif kind == "abort":
                 self._drop_compiling(msg[2])
-                self.engine.abort(msg[2])
+                eng.abort(msg[2])
                 self._reply(call_id, True, None)
+            elif kind == "reserve":
+                self._reply(call_id, True, eng.reserve_import(msg[2]))
+            elif kind == "release":
+                eng.release_blocks(msg[2])
+                self._reply(call_id, True, None)
+            elif kind == "move_out":
+                moved = [seq for request_id in msg[2] if (seq := eng.move_out(request_id)) is not None]
+                self._reply(call_id, True, moved)
             else:
                 raise ValueError(f"unknown engine core command {kind!r}")
         except Exception as e:
             self._reply(call_id, False, e)
+
+    def _start(self, cmd: _Start) -> None:
+        if cmd.sampling.structured is None:
+            self._run_start(cmd, None)
+            return
+        fut = self.grammar_pool.submit(self.engine.grammars.matcher, cmd.sampling.structured, cmd.output_ids)
+        self.compiling.append((fut, cmd))  # replied once it starts
 
     def _drop_compiling(self, request_id: str) -> None:
         """An abort that overtook its request's grammar: that request never starts."""
         for item in [c for c in self.compiling if c[1].request_id == request_id]:
             self.compiling.remove(item)
             item[0].cancel()
-            self._reply(item[1].call_id, False, RuntimeError(f"request {request_id} aborted before it started"))
+            self._never_started(item[1], RuntimeError(f"request {request_id} aborted before it started"))
 
-    def _start_compiled(self) -> bool:
-        """Start the requests whose grammar is ready; whether any command changed the engine."""
-        started = False
+    def _start_compiled(self) -> None:
+        """Start the requests whose grammar is ready."""
         for item in [c for c in self.compiling if c[0].done()]:
             self.compiling.remove(item)
-            fut, add = item
+            fut, cmd = item
+            self.changed = True
             try:
-                self._add(add, fut.result())
-                started = True
+                grammar = fut.result()
             except Exception as e:
-                self._reply(add.call_id, False, e)
-        return started
+                self._never_started(cmd, e)
+                continue
+            self._run_start(cmd, grammar)
 
-    def _add(self, add: _Add, grammar: GrammarMatcher | None) -> None:
+    def _run_start(self, cmd: _Start, grammar: GrammarMatcher | None) -> None:
         """Start the request and answer its caller (an error is the caller's to answer)."""
-        self.engine.add_request(add.prompt, add.sampling, request_id=add.request_id, grammar=grammar,
-                                cache_salt=add.cache_salt, fork_of=add.fork_of)
-        self._reply(add.call_id, True, None)
+        try:
+            cmd.start(grammar)
+        except Exception as e:
+            self._never_started(cmd, e)
+            return
+        self._reply(cmd.call_id, True, None)
+
+    def _never_started(self, cmd: _Start, e: BaseException) -> None:
+        if cmd.blocks is not None:
+            self.engine.release_blocks(cmd.blocks)
+        self._reply(cmd.call_id, False, e)
 
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         if not ok:
@@ -181,7 +228,7 @@ def _portable(e: BaseException) -> BaseException:
 def main(fd: int) -> int:
     conn = Connection(fd)
     try:
-        _, engine_cfg, role, threads, kv_events = conn.recv()
+        _, engine_cfg, role, threads, kv_events, share_kv = conn.recv()
     except EOFError:
         return 1
     try:
@@ -192,10 +239,11 @@ def main(fd: int) -> int:
         from engine.engine import Engine
 
         torch.set_num_threads(threads)
-        engine = Engine(EngineConfig.model_validate(engine_cfg), role=role)
+        engine = Engine(EngineConfig.model_validate(engine_cfg), role=role, share_kv=share_kv)
         warm_up(engine)
         conn.send(("ready", EngineInfo(engine.model_id, engine.model_fingerprint, engine.cfg.block_size,
-                                       engine.block_pool.num_blocks, engine.cfg.stream_interval, os.getpid()),
+                                       engine.block_pool.num_blocks, engine.cfg.stream_interval, os.getpid(),
+                                       engine.kv_cache.share()),
                    engine.stats()))
         _Core(conn, engine, kv_events).run()
         return 0

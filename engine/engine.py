@@ -91,8 +91,11 @@ def expected_model_fingerprint(cfg: EngineConfig) -> str:
 class Engine:
     """Owns the model, the KV cache, the block pool and the scheduler of one replica."""
 
-    def __init__(self, cfg: EngineConfig | None = None, role: Role = "aggregated", model: LlamaModel | None = None):
-        """`model` lets several engines (tests, benchmarks) share one set of weights."""
+    def __init__(self, cfg: EngineConfig | None = None, role: Role = "aggregated", model: LlamaModel | None = None,
+                 share_kv: bool = False):
+        """`model` lets several engines (tests, benchmarks) share one set of weights.
+        `share_kv`: the KV tensor in shared memory, for a replica that runs this engine
+        in a child process and registers the tensor with its transfer backend itself."""
         cfg = cfg or EngineConfig()
         self.cfg = cfg
         self.role = role
@@ -118,7 +121,7 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
         num_blocks = num_blocks_for(cfg, model_cfg, self.dtype)
-        self.kv_cache = KVCache(model_cfg, num_blocks, cfg.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(model_cfg, num_blocks, cfg.block_size, self.dtype, self.device, shared=share_kv)
         decode_kernel = select_decode_kernel(cfg.decode_attention, self.device)
         self.runner = ModelRunner(model, self.kv_cache, cfg.block_size, decode_kernel)
         self.block_pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)

@@ -4,9 +4,18 @@ Layout ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
 (block-major): one block is one contiguous region of `bytes_per_block`, which is
 what the transfer backends and the LMCache connector move. Attention reads it
 through per-layer strided views and never copies the pool.
+
+A replica whose engine runs in a child process (engine/core_process.py) still
+registers this tensor with its transfer backend in its own process, so the child
+allocates it in shared memory (`shared=True`: an anonymous memfd, not /dev/shm,
+whose size a container caps) and the replica maps the same pages (`SharedKV.attach`).
 """
 
 from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -32,17 +41,52 @@ def num_blocks_for(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype) ->
     return max(2, min(cfg.max_num_seqs * per_seq, 2048))
 
 
+@dataclass(frozen=True)
+class SharedKV:
+    """Where another process of this host finds a KV tensor allocated with `shared=True`:
+    the owner's memfd, reached through /proc (same user)."""
+
+    pid: int
+    fd: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def attach(self) -> torch.Tensor:
+        """The same pages, mapped into this process: writes on either side are seen by both."""
+        return _mapped(f"/proc/{self.pid}/fd/{self.fd}", self.shape, self.dtype)
+
+
+def _mapped(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+
+
 class KVCache:
     """Owns the KV tensor; hands out per-layer (K, V) views for attention."""
 
-    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str):
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str,
+                 shared: bool = False):
+        """`shared`: in shared memory that another process can map (`share`); CPU only."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.data = torch.zeros(
-            num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim, dtype=dtype, device=device
-        )
+        shape = (num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)
+        self._memfd: int | None = None
+        if shared:
+            if torch.device(device).type != "cpu":
+                raise ConfigError("engine_process", f"a KV cache on {device} cannot be shared with the replica")
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            self._memfd = os.memfd_create("duet-kv", os.MFD_CLOEXEC)
+            os.ftruncate(self._memfd, nbytes)  # zero pages, as torch.zeros
+            self.data = _mapped(f"/proc/self/fd/{self._memfd}", shape, dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(model.num_layers)]
         self.bytes_per_block = self.data[0].numel() * self.data.element_size()
+
+    def share(self) -> SharedKV | None:
+        """How another process maps this tensor; None unless allocated `shared`."""
+        if self._memfd is None:
+            return None
+        return SharedKV(os.getpid(), self._memfd, tuple(self.data.shape), self.data.dtype)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block's KV, every layer: a forked sequence's

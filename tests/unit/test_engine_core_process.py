@@ -199,6 +199,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_only_the_aggregated_role_runs_in_a_child():
-    with pytest.raises(ValueError, match="aggregated"):
-        EngineCoreClient(CFG, "decode", threads=1)
+def test_the_prefill_role_does_not_run_in_a_child():
+    with pytest.raises(ValueError, match="prefill"):
+        EngineCoreClient(CFG, "prefill", threads=1)
