@@ -134,6 +134,7 @@ def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], inp
         cfg.aggregated.engine_process = engine_process
     else:
         cfg.prefill.threads, cfg.decode.threads = pd_threads
+        cfg.decode.engine_process = engine_process
     url = serve_cli.start(cfg)
     rows = []
     try:
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-threads", type=int, default=2, help="each aggregated replica's threads")
     p.add_argument("--served-replicas", type=int, default=1, help="aggregated replicas (KV-aware routed)")
     p.add_argument("--engine-thread", action="store_true",
-                   help="aggregated replicas run their engine on a thread, not in a child (aggregated.engine_process)")
+                   help="aggregated and decode replicas run their engine on a thread, not in a child "
+                        "(the pools' engine_process)")
     p.add_argument("--ingress", choices=["proxy", "haproxy"], default="haproxy",
                    help="the servers' gateway.ingress: Serve's Python proxy, or HAProxy to the replica's own server")
     p.add_argument("--relay", action="store_true",

@@ -253,7 +253,8 @@ def _notify(handle: KVHandle, msg: control.ControlMessage, timeout_s: float) -> 
 
 
 class ImportBlocks(Protocol):
-    """The decode engine's block pool as an import uses it (`engine.async_engine.AsyncEngine`)."""
+    """The decode engine's block pool as an import uses it (`AsyncEngine`, or `EngineCoreClient` for a
+    child process)."""
 
     async def reserve_blocks(self, num_tokens: int) -> list[int] | None: ...
 
