@@ -140,6 +140,7 @@ def build_app(cfg: ClusterConfig):
         transfer=cfg.transfer.model_dump(),
         cache=cfg.cache.model_dump(),
         prefix_index=prefix_index.model_dump(),
+        engine_process=cfg.prefill.engine_process,
     )
     # Decode's KV events serve only prompts prefilled on decode (router.disaggregation).
     decode_events = prefix_index.model_dump() if cfg.router.disaggregation.mode != "always" else None

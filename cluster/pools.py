@@ -51,10 +51,10 @@ class PoolConfig(BaseModel):
     threads: int = Field(1, ge=1)
     # Run the replica's engine on the main thread of a child process it owns
     # (engine/core_process.py) instead of on a side thread of the replica. None: the
-    # pool's default: on for the aggregated pool and, on a CPU, for decode (measured
-    # faster, docs/benchmarks.md); off for prefill (which cannot yet). A decode
-    # replica on a GPU runs its engine on a thread (its KV tensor is shared with the
-    # replica's transfer backend through CPU shared memory only).
+    # pool's default: on for the aggregated pool (measured faster,
+    # docs/benchmarks.md) and, on a CPU, for prefill and decode (their KV tensor is
+    # shared with the replica's transfer backend through CPU shared memory, so on a GPU
+    # their engine runs on a thread; so does a prefill engine with an LMCache tier).
     engine_process: bool | None = None
     max_ongoing_requests: int = Field(64, ge=1)
     # Only on the nodes that offer `duet/<node_group>` (None: any node).

@@ -32,8 +32,8 @@ from typing import Any
 
 from autoscaling.signals import DecodeSignals
 from engine.async_engine import AsyncEngine, start_engine
-from engine.config import ConfigError, EngineConfig, resolve_device
-from engine.core_client import EngineCoreClient
+from engine.config import EngineConfig
+from engine.core_client import EngineCoreClient, engine_in_child
 from engine.engine import MovedSequence
 from engine.request import FinishReason, RequestOutput
 from kvtransfer.backends import backend_for
@@ -68,14 +68,10 @@ class DecodeServer:
         engine_cfg = EngineConfig.model_validate(engine)
         kv_events = prefix_index is not None
         # The engine core in a child process, its KV tensor in shared memory that this
-        # process maps and registers with the transfer backend: on a CPU unless the
-        # pool says otherwise (a CUDA KV tensor is not shared that way).
-        on_cpu = resolve_device(engine_cfg.device) == "cpu"
-        if engine_process and not on_cpu:
-            raise ConfigError("decode.engine_process", "a decode engine runs in its own process on a CPU only")
+        # process maps and registers with the transfer backend (on a CPU).
         self.aengine: AsyncEngine | EngineCoreClient = (
             EngineCoreClient(engine_cfg, "decode", threads, kv_events=kv_events)
-            if (on_cpu if engine_process is None else engine_process)
+            if engine_in_child(engine_process, engine_cfg, "decode")
             else start_engine(engine_cfg, "decode", threads, kv_events=kv_events))
         # What this replica caches (imported prompts, local prefills, generated tokens),
         # published only when prompts may be prefilled here (`router.disaggregation` not

@@ -1,18 +1,19 @@
 """`EngineCoreClient`: a replica's handle on its engine core process (engine/core_process.py).
 
-It offers what the aggregated and decode replicas use of `AsyncEngine` (requests as
-streams of output batches, aborts, imported requests and the blocks they reserve,
-moving sequences out, the stats snapshot, KV events, health, shutdown), so a replica
-does not know which one it holds. One reader thread receives the child's
+It offers what the replicas use of `AsyncEngine` (requests as streams of output
+batches, aborts, imported requests and the blocks they reserve, moving sequences out,
+the stats snapshot, KV events, health, shutdown; a prefill engine's exports, handed to
+`on_export`), so a replica does not know which one it holds. One reader thread receives the child's
 messages; each step's outputs reach their requests' asyncio queues in one hand-off
 per event loop, and a consumer drains what is ready at once (`async_engine.drain`).
 One writer thread sends the commands, in the order they were given.
 
-A decode replica registers its KV tensor with its transfer backend (NIXL, gloo) in
-its own process: the child allocates that tensor in shared memory and the client maps
-it (`kv_data`), so a pull lands in the pages the engine reads. CPU only: a CUDA KV
-tensor is not shared this way. The prefill pool still runs its engine on a thread
-(its LMCache connector reads the engine's internals).
+Prefill and decode replicas register their KV tensor with their transfer backend
+(NIXL, gloo) in their own process: the child allocates that tensor in shared memory
+and the client maps it (`kv_data`), so a pull lands in (or reads from) the pages the
+engine uses. CPU only: a CUDA KV tensor is not shared this way (`engine_in_child`). A
+prefill replica with an LMCache tier keeps its engine on a thread: the tier's
+connector works inside the engine's step, in the replica's process.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from typing import Any
 import torch
 
 from engine.async_engine import EngineDead, Streams, drain, hand_off, route
-from engine.config import EngineConfig, Role
+from engine.config import ConfigError, EngineConfig, Role, resolve_device
 from engine.core_process import EngineInfo
-from engine.engine import MovedSequence
+from engine.engine import ExportedKV, MovedSequence
 from engine.kv_events import KVEvent
 from engine.request import RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # loading and warming a large checkpoint on a slow disk
 STOP_TIMEOUT_S = 5.0
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
-PROCESS_ROLES: tuple[Role, ...] = ("aggregated", "decode")
+SHARED_KV_ROLES: tuple[Role, ...] = ("prefill", "decode")  # their replica registers the KV tensor
 
 # What the reader thread does with a call's reply before its caller sees it.
 OnReply = Callable[[Any], Any]
@@ -57,9 +58,13 @@ OnReply = Callable[[Any], Any]
 class EngineCoreClient:
     """Starts the engine core child, waits until it is warm, and talks to it."""
 
-    def __init__(self, cfg: EngineConfig, role: Role, threads: int, kv_events: bool = False):
-        if role not in PROCESS_ROLES:
-            raise ValueError(f"the {role} role does not run its engine in its own process")
+    def __init__(self, cfg: EngineConfig, role: Role, threads: int, kv_events: bool = False,
+                 on_export: Callable[[ExportedKV], None] | None = None):
+        """`on_export` (prefill): leases a finished request's pinned blocks, on the
+        reader thread, before that step's outputs reach their streams."""
+        if role == "prefill" and on_export is None:
+            raise ValueError("a prefill engine core needs on_export: its exports would never be leased")
+        self._on_export = on_export
         ours, theirs = socket.socketpair()
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         env["PYTHONPATH"] = os.pathsep.join([_PROJECT_ROOT, *filter(None, [env.get("PYTHONPATH")])])
@@ -79,8 +84,8 @@ class EngineCoreClient:
         self._error: BaseException | None = None
         self._stopping = False
         try:
-            # Decode imports KV into the engine's tensor from this process: share it.
-            self._conn.send(("init", cfg.model_dump(), role, threads, kv_events, role == "decode"))
+            # Prefill and decode move the engine's KV from this process: share it.
+            self._conn.send(("init", cfg.model_dump(), role, threads, kv_events, role in SHARED_KV_ROLES))
             info, stats = self._wait_ready()
         except BaseException:
             self._kill()
@@ -92,7 +97,7 @@ class EngineCoreClient:
         self.block_size = info.block_size
         self.num_kv_blocks = info.num_kv_blocks
         self.stream_interval = info.stream_interval
-        # The engine's KV tensor mapped here (decode), for the transfer backend.
+        # The engine's KV tensor mapped here (prefill, decode), for the transfer backend.
         self._kv_data = info.shared_kv.attach() if info.shared_kv is not None else None
         self._reader = threading.Thread(target=self._read, name="duet-engine-core-reader", daemon=True)
         self._reader.start()
@@ -113,7 +118,7 @@ class EngineCoreClient:
 
     @property
     def kv_data(self) -> torch.Tensor:
-        """The engine's KV tensor mapped into this process (a decode engine's only)."""
+        """The engine's KV tensor mapped into this process (prefill and decode engines)."""
         if self._kv_data is None:
             raise RuntimeError("this engine core does not share its KV tensor")
         return self._kv_data
@@ -124,7 +129,7 @@ class EngineCoreClient:
             while True:
                 msg = self._conn.recv()
                 if msg[0] == "step":
-                    self._on_step(msg[1], msg[2], msg[3])
+                    self._on_step(msg[1], msg[2], msg[3], msg[4])
                 elif msg[0] == "reply":
                     self._on_reply(msg[1], msg[2], msg[3])
                 elif msg[0] == "died":
@@ -160,13 +165,25 @@ class EngineCoreClient:
             except OSError:  # the child is gone: the reader sees it and fails everything
                 return
 
-    def _on_step(self, outputs: list[RequestOutput], stats: EngineStats, events: list[KVEvent]) -> None:
+    def _on_step(self, outputs: list[RequestOutput], stats: EngineStats, events: list[KVEvent],
+                 exports: list[ExportedKV]) -> None:
+        for export in exports:  # before the outputs: a finished prefill's caller reads its lease
+            self._lease(export)
         with self._lock:
             deliveries = route(outputs, self._streams)
             if events:
                 self._events.extend(events)
         self.stats = stats
         hand_off(deliveries)
+
+    def _lease(self, export: ExportedKV) -> None:
+        try:
+            if self._on_export is None:  # only prefill exports, and it always has one
+                raise RuntimeError("no on_export")
+            self._on_export(export)
+        except Exception:
+            log.exception("leasing the KV of %s failed: its blocks are freed", export.request_id)
+            self.release_blocks(export.block_ids)
 
     def _fail_all(self, e: BaseException) -> None:
         if not self._stopping:
@@ -314,3 +331,12 @@ class EngineCoreClient:
         self.proc.kill()
         self.proc.wait()
 
+
+def engine_in_child(setting: bool | None, cfg: EngineConfig, pool: str) -> bool:
+    """Whether a prefill or decode replica runs its engine in a child process: the
+    pool's `engine_process` (`setting`), None meaning yes on a CPU. Their KV tensor is
+    shared with the replica through CPU memory, so an engine on a GPU stays on a thread."""
+    on_cpu = resolve_device(cfg.device) == "cpu"
+    if setting and not on_cpu:
+        raise ConfigError(f"{pool}.engine_process", "a prefill or decode engine runs in its own process on a CPU only")
+    return on_cpu if setting is None else setting

@@ -22,13 +22,16 @@ request_id, prompt_ids, first_token, sampling, block_ids, cache_salt, resume)` w
 `MovedSequence`s, sent before the step that ends their streams); `("abort", call_id,
 request_id)`; `("stop",)`.
 Child → parent: `("ready", EngineInfo)` once, `("reply", call_id, ok, value)`,
-`("step", outputs, stats, kv_events)`, `("died", message)` before a fatal exit.
+`("step", outputs, stats, kv_events, exports)` (exports: a prefill engine's
+`ExportedKV`s of that step, for the replica to lease before it delivers the outputs),
+`("died", message)` before a fatal exit.
 
 Started as `python -m engine.core_process FD`, the socket's descriptor inherited; the
 first message on it is `("init", engine_config_dict, role, threads, kv_events,
 share_kv)`. With `share_kv` the KV tensor lives in shared memory and `EngineInfo`
-says where, so a decode replica registers it with NIXL (or gloo) in its own process
-and pulls straight into the pages this engine reads. The
+says where, so a prefill or decode replica registers it with NIXL (or gloo) in its own
+process: decode pulls straight into the pages this engine reads, and a decode replica
+pulls from the pages a prefill engine wrote. The
 child exits when the socket closes or its parent changes (the replica died): it is
 never an orphan that holds a core.
 """
@@ -48,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from engine.engine import Engine
+    from engine.engine import Engine, ExportedKV
     from engine.kv_cache import SharedKV
     from engine.sampling_params import SamplingParams
     from engine.structured import GrammarMatcher
@@ -98,6 +101,9 @@ class _Core:
         self.grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="duet-grammar")
         self.compiling: list[tuple[concurrent.futures.Future, _Start]] = []
         self.changed = False  # a command changed the engine since the last message
+        self.exports: list[ExportedKV] = []
+        if engine.role == "prefill":  # the replica leases them: each goes with its step's message
+            engine.on_export = self._exported
         self.parent = os.getppid()
 
     def run(self) -> None:
@@ -211,9 +217,13 @@ class _Core:
             value = _portable(value)
         self.conn.send(("reply", call_id, ok, value))
 
+    def _exported(self, export: ExportedKV) -> None:
+        self.exports.append(export)
+
     def _send_step(self, outputs: list) -> None:
         events = self.engine.take_kv_events()
-        self.conn.send(("step", outputs, self.engine.stats(), events if self.kv_events else []))
+        exports, self.exports = self.exports, []
+        self.conn.send(("step", outputs, self.engine.stats(), events if self.kv_events else [], exports))
 
 
 def _portable(e: BaseException) -> BaseException:

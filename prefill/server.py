@@ -8,6 +8,12 @@ them on the engine thread the moment the request finishes, and `prefill` returns
 `Release` (blocks stay as prefix cache), decode's `Reject` (freed at once), or expiry.
 The replica publishes its block pool's KV events for the routers
 (kvtransfer/events/publisher.py).
+
+On a CPU, and without an LMCache tier, the engine runs in a child process
+(`prefill.engine_process`, engine/core_process.py): its KV tensor is shared memory
+that this process registers with the transfer backend, and each step's exports reach
+`_lease` before that step's outputs. With a tier the engine stays on a thread here:
+the tier's connector works inside the engine's step.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import logging
 from typing import Any
 
 from autoscaling.signals import PrefillSignals
-from engine.async_engine import start_engine
+from engine.async_engine import AsyncEngine, start_engine
 from engine.config import EngineConfig
+from engine.core_client import EngineCoreClient, engine_in_child
 from engine.engine import ExportedKV
 from engine.request import FinishReason
 from kvtransfer.backends import backend_for
@@ -41,41 +48,50 @@ class PrefillServer:
 
     Constructor arguments are dumped settings (plain dicts, as Serve configs carry
     them): `engine` an `EngineConfig`, `transfer` a `TransferConfig`, `cache` a
-    `KVTierConfig`, `prefix_index` a `PrefixIndexConfig`, `telemetry` a `TelemetryConfig`.
+    `KVTierConfig`, `prefix_index` a `PrefixIndexConfig`, `telemetry` a `TelemetryConfig`;
+    `engine_process` the pool's setting of that name.
     """
 
     def __init__(
-        self, engine: dict, threads: int, transfer: dict, cache: dict, prefix_index: dict, telemetry: dict | None = None
+        self, engine: dict, threads: int, transfer: dict, cache: dict, prefix_index: dict,
+        telemetry: dict | None = None, engine_process: bool | None = None,
     ):
         engine_cfg = EngineConfig.model_validate(engine)
         transfer_cfg = TransferConfig.model_validate(transfer)
         tier_cfg = KVTierConfig.model_validate(cache)
         self.replica_id = replica_id()
-        self.aengine = start_engine(engine_cfg, "prefill", threads, kv_events=True)
-        eng = self.aengine.engine
         self.tier = None
-        if tier_cfg.enabled:
-            from prefill.kv_tier.tier import KVTier  # imports LMCache: only when a tier is on
+        self.aengine: AsyncEngine | EngineCoreClient
+        if not tier_cfg.enabled and engine_in_child(engine_process, engine_cfg, "prefill"):
+            self.aengine = EngineCoreClient(engine_cfg, "prefill", threads, kv_events=True, on_export=self._lease)
+        else:
+            self.aengine = start_engine(engine_cfg, "prefill", threads, kv_events=True)
+            eng = self.aengine.engine
+            if tier_cfg.enabled:
+                from prefill.kv_tier.tier import KVTier  # imports LMCache: only when a tier is on
 
-            tier = self.tier = KVTier(tier_cfg, eng.kv_cache.data, eng.model_fingerprint)
-            self.aengine.submit(lambda: eng.attach_external_kv(tier)).result()
+                tier = self.tier = KVTier(tier_cfg, eng.kv_cache.data, eng.model_fingerprint)
+                self.aengine.submit(lambda: eng.attach_external_kv(tier)).result()
+            eng.on_export = self._lease
         self.events = KVEventPublisher(
             PrefixIndexConfig.model_validate(prefix_index), engine_cfg.block_size, self.replica_id,
             self.aengine.take_kv_events,
         )
-        backend = backend_for(transfer_cfg, self.replica_id, eng.model_id, host=node_ip())
-        backend.register(eng.kv_cache.data)
+        backend = backend_for(transfer_cfg, self.replica_id, self.aengine.model_id, host=node_ip())
+        backend.register(self.aengine.kv_data)
+        # Before any request: `_lease` (called as one finishes) needs it.
         self.exporter = KVExporter(
             backend, self.replica_id, self._free_blocks, lease_ttl_s=transfer_cfg.lease_ttl_s, host=node_ip()
         )
-        eng.on_export = self._lease
         self.telemetry = ReplicaTelemetry(telemetry, "prefill", self.replica_id, self._engine_stats)
         self.signals = PrefillSignals()
         self._closed = False
         log.info("prefill replica %s ready (backend %s)", self.replica_id, backend.name)
 
     def _lease(self, export: ExportedKV) -> None:
-        """On the engine thread, as a request finishes: pin its blocks under a lease."""
+        """As a request finishes (on the engine thread, or the engine core client's
+        reader before the request's last output is delivered): pin its blocks under a
+        lease."""
         self.exporter.grant(export.request_id, export.block_ids)
 
     def _free_blocks(self, block_ids) -> None:

@@ -96,12 +96,16 @@ def test_autoscaled_pools_start_within_their_bounds_and_reserve_their_maximum():
     assert set(cfg.scaled_pools("goodput")) == {"prefill"}
 
 
-@pytest.mark.parametrize("pool", ["aggregated", "decode"])
-def test_the_aggregated_and_decode_pools_may_run_their_engine_in_a_child_and_prefill_may_not(pool):
+@pytest.mark.parametrize("pool", ["aggregated", "prefill", "decode"])
+def test_every_pool_may_run_its_engine_in_a_child(pool):
     assert getattr(load_config(overrides={f"{pool}.engine_process": True}), pool).engine_process
-    assert getattr(load_config(), pool).engine_process is None  # the pool's default: on (decode: on a CPU)
+    assert getattr(load_config(), pool).engine_process is None  # the pool's default: on (prefill, decode: on a CPU)
+
+
+def test_a_prefill_engine_with_an_lmcache_tier_stays_on_a_thread():
+    assert load_config(overrides={"cache.cpu_bytes": 1 << 20}).cache.enabled  # the default: on a thread then
     with pytest.raises(ConfigError, match="prefill.engine_process"):
-        load_config(overrides={"prefill.engine_process": True})
+        load_config(overrides={"prefill.engine_process": True, "cache.cpu_bytes": 1 << 20})
 
 
 def test_the_gateway_colocates_only_with_replicas_it_can_route_among():

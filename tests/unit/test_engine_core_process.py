@@ -197,8 +197,3 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
-
-
-def test_the_prefill_role_does_not_run_in_a_child():
-    with pytest.raises(ValueError, match="prefill"):
-        EngineCoreClient(CFG, "prefill", threads=1)

@@ -1,9 +1,11 @@
-"""A decode replica's engine core in its own process (engine/core_process.py,
-engine/core_client.py): its KV tensor is shared memory that the replica maps
+"""Prefill and decode engine cores in their own process (engine/core_process.py,
+engine/core_client.py): the KV tensor is shared memory that the replica maps
 (`kv_data`), so KV written there from the replica's side (here a tensor copy, standing
-in for the transfer backend's pull) is what the child's engine reads. An imported or
-moved-in sequence continues as it would have where it started; a sequence moved out
-is leased before its stream ends; an import the child refuses frees its blocks."""
+in for the transfer backend's pull) is what the child's engine reads, and what a
+prefill child computed is there for the replica's backend to serve. An imported or
+moved-in sequence continues as it would have where it started; a sequence moved out,
+or a prompt prefilled, is leased before its stream ends; an import the child refuses
+frees its blocks."""
 
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient
-from engine.engine import MovedSequence
+from engine.engine import ExportedKV, MovedSequence
 from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.structured import StructuredOutput
@@ -134,3 +137,39 @@ async def test_reserving_more_than_is_free_gets_none_and_the_pool_says_what_it_c
     assert core.could_ever_hold(512 * CFG.block_size) and not core.could_ever_hold(512 * CFG.block_size + 1)
     assert await core.reserve_blocks(512 * CFG.block_size + 1) is None
     await _wait_for(lambda: _all_free(core))
+
+
+async def test_a_prefill_child_leases_its_export_before_the_output_and_its_kv_is_the_engines(make_engine):
+    ref = make_engine(role="prefill")
+    prompt = ref.tokenizer.encode(ref.tokenizer.apply_chat_template(PROMPT))
+    ref.add_request(prompt, GREEDY, request_id="p")
+    (want,) = [o for o in _run(ref, "p") if o.finished]
+    ref_blocks = ref.take_export("p").block_ids
+
+    exports: list[ExportedKV] = []
+    core = EngineCoreClient(CFG, "prefill", threads=1, on_export=exports.append)
+    try:
+        outs = await _collect(await core.add_request("p", prompt, GREEDY))
+        assert [e.request_id for e in exports] == ["p"], "the output arrived before its export was leased"
+        assert outs[-1].finish_reason is FinishReason.PREFILL_DONE and outs[-1].new_token_ids == want.new_token_ids
+        (export,) = exports
+        assert export.num_tokens == len(prompt) and len(export.block_ids) == len(ref_blocks)
+        n = len(prompt) % CFG.block_size or CFG.block_size  # the last block's filled slots
+        got, ref_kv = core.kv_data[export.block_ids], ref.kv_cache.data[ref_blocks]
+        assert torch.allclose(got[:-1], ref_kv[:-1], atol=1e-5)
+        assert torch.allclose(got[-1, :, :, :n], ref_kv[-1, :, :, :n], atol=1e-5)
+        assert core.stats.kv_blocks_free < core.stats.kv_blocks_total  # pinned until the lease ends
+        core.release_blocks(export.block_ids).result(timeout=60)
+        # The next prompts (one of them a prefix-cache hit) are leased the same way.
+        for rid in ("again", "other"):
+            await _collect(await core.add_request(rid, prompt if rid == "again" else prompt[:-3], GREEDY))
+            assert exports[-1].request_id == rid
+            core.release_blocks(exports[-1].block_ids).result(timeout=60)
+        await _wait_for(lambda: _all_free(core))
+    finally:
+        core.shutdown()
+
+
+def test_a_prefill_child_without_a_lessee_is_refused():
+    with pytest.raises(ValueError, match="on_export"):
+        EngineCoreClient(CFG, "prefill", threads=1)
