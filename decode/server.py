@@ -90,7 +90,7 @@ class DecodeServer:
         self.signals = DecodeSignals()
         self.exporter = KVExporter(self.backend, self.replica_id, self._free_blocks,
                                    lease_ttl_s=self.transfer.lease_ttl_s, host=node_ip())
-        self._moved: dict[str, MovedSequence] = {}  # leased on the engine thread, until its stream says so
+        self._moved: dict[str, MovedSequence] = {}  # leased as it left the engine, until its stream says so
         self._moves_out = 0
         self.drain = DrainWatch(self._on_drain)
         self._moving: asyncio.Future | None = None
@@ -191,7 +191,8 @@ class DecodeServer:
         log.warning("draining: moved %d of %d sequences", len(moved), len(ids))
 
     def _lease_moved(self, seq: MovedSequence) -> None:
-        """On the engine thread, as the sequence leaves the engine: lease its blocks."""
+        """As the sequence leaves the engine (on the engine thread, or the engine core
+        client's reader before its stream ends): lease its blocks."""
         self.exporter.grant(seq.request_id, seq.block_ids)
         self._moved[seq.request_id] = seq
 

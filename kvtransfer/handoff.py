@@ -135,7 +135,8 @@ class KVExporter:
 
     def grant(self, request_id: str, block_ids: Sequence[int]) -> Lease:
         """Pin a finished request's blocks; call it where the request finishes (the
-        engine thread), so no cancelled await can leave them unleased."""
+        engine thread, or the engine core client's reader thread before it delivers
+        the outputs), so no cancelled await can leave them unleased."""
         return self.leases.grant(request_id, block_ids)
 
     def withdraw(self, request_id: str) -> bool:

@@ -3,8 +3,8 @@
 An `Engine` in prefill role computes each prompt (own prefix cache first, then the
 LMCache tiers when `cache:` turns them on), samples the first token and leaves the
 request's blocks pinned. The replica's `KVExporter` (kvtransfer/handoff.py) leases
-them on the engine thread the moment the request finishes, and `prefill` returns
-`PrefillResult(first_token, kv_handle)`. The lease ends exactly once: decode's
+them the moment the request finishes (before its last output is delivered), and
+`prefill` returns `PrefillResult(first_token, kv_handle)`. The lease ends exactly once: decode's
 `Release` (blocks stay as prefix cache), decode's `Reject` (freed at once), or expiry.
 The replica publishes its block pool's KV events for the routers
 (kvtransfer/events/publisher.py).
