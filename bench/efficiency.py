@@ -25,7 +25,9 @@ replica of its own, which relays every token over Ray: 54% against 69% of in-pro
 at c=32), with HAProxy in front (`gateway.ingress: haproxy`: each connection goes to
 the replica's own HTTP server; `--ingress proxy` puts Serve's Python proxy back, which
 relays every chunk over Ray); each disaggregated pool its configured one (1 prefill +
-1 decode replica, `--prefill-threads` and `--decode-threads` each, 1 by default), the
+1 decode replica, `--prefill-threads` and `--decode-threads` each, 1 by default: a
+second thread in either lost 13-22% at c=8 / 32, three compute threads on two cores),
+both engines in a child process (`--engine-thread` puts them back on a thread), the
 gateway inside the decode replica (`--relay`: a gateway replica of its own).
 
 The prompts are loadgen's `random` workload (its seed per point), so the engine
