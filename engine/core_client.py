@@ -3,10 +3,11 @@
 It offers what the replicas use of `AsyncEngine` (requests as streams of output
 batches, aborts, imported requests and the blocks they reserve, moving sequences out,
 the stats snapshot, KV events, health, shutdown; a prefill engine's exports, handed to
-`on_export`), so a replica does not know which one it holds. One reader thread receives the child's
-messages; each step's outputs reach their requests' asyncio queues in one hand-off
-per event loop, and a consumer drains what is ready at once (`async_engine.drain`).
-One writer thread sends the commands, in the order they were given.
+`on_export`), so a replica does not know which one it holds. One reader thread
+receives the child's messages; each step's outputs reach their requests' asyncio
+queues in one hand-off per event loop, and a consumer drains what is ready at once
+(`async_engine.drain`). One writer thread sends the commands, in the order they were
+given.
 
 Prefill and decode replicas register their KV tensor with their transfer backend
 (NIXL, gloo) in their own process: the child allocates that tensor in shared memory
