@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from engine_steps import run
 
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient
@@ -38,17 +39,6 @@ def core():
     client = EngineCoreClient(CFG, "decode", threads=1)
     yield client
     client.shutdown()
-
-
-def _run(engine, request_id: str, n_steps: int | None = None) -> list[RequestOutput]:
-    outs: list[RequestOutput] = []
-    steps = 0
-    while engine.has_unfinished() and (n_steps is None or steps < n_steps):
-        outs += [o for o in engine.step() if o.request_id == request_id]
-        steps += 1
-        if outs and outs[-1].finished:
-            break
-    return outs
 
 
 def _tokens(outs: list[RequestOutput]) -> list[int]:
@@ -76,10 +66,10 @@ async def test_a_sequence_moved_into_the_child_continues_as_if_it_had_stayed(cor
     question = "The largest city of France, as JSON." if sampling.structured else PROMPT[0]["content"]
     prompt = ref.tokenizer.apply_chat_template([{"role": "user", "content": question}])
     ref.add_request(prompt, sampling, request_id="r")
-    want = _tokens(_run(ref, "r"))
+    want = _tokens(run(ref, "r"))
 
     src.add_request(prompt, sampling, request_id="r")
-    before = _run(src, "r", n_steps=9)
+    before = run(src, "r", n_steps=9)
     seq = src.move_out("r")
     assert seq is not None
     blocks = await core.reserve_blocks(seq.num_computed_tokens)
@@ -98,7 +88,7 @@ async def test_a_sequence_moved_out_of_the_child_is_leased_before_its_stream_end
     dst, ref = make_engine(), make_engine()
     prompt = ref.tokenizer.encode(ref.tokenizer.apply_chat_template(PROMPT))
     ref.add_request(prompt, GREEDY, request_id="m")
-    want = _tokens(_run(ref, "m"))
+    want = _tokens(run(ref, "m"))
 
     leased: list[MovedSequence] = []
     stream = await core.add_request("m", prompt, GREEDY)
@@ -117,7 +107,7 @@ async def test_a_sequence_moved_out_of_the_child_is_leased_before_its_stream_end
     dst.kv_cache.data[blocks] = core.kv_data[seq.block_ids]  # another replica's pull
     core.release_blocks(seq.block_ids).result(timeout=60)  # its lease ended
     dst.add_imported_request("m", seq.token_ids[:-1], seq.token_ids[-1], GREEDY, blocks, resume=seq.resume)
-    assert _tokens(before) + _tokens(_run(dst, "m")) == want
+    assert _tokens(before) + _tokens(run(dst, "m")) == want
     await _wait_for(lambda: _all_free(core))  # the stats arrive without a step
 
 
@@ -143,7 +133,7 @@ async def test_a_prefill_child_leases_its_export_before_the_output_and_its_kv_is
     ref = make_engine(role="prefill")
     prompt = ref.tokenizer.encode(ref.tokenizer.apply_chat_template(PROMPT))
     ref.add_request(prompt, GREEDY, request_id="p")
-    (want,) = [o for o in _run(ref, "p") if o.finished]
+    (want,) = [o for o in run(ref, "p") if o.finished]
     ref_blocks = ref.take_export("p").block_ids
 
     exports: list[ExportedKV] = []

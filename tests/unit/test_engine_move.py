@@ -5,6 +5,7 @@ strings and a grammar alike. The KV is copied tensor to tensor here (the transfe
 backends have their own tests)."""
 
 import pytest
+from engine_steps import run
 
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
@@ -13,18 +14,6 @@ from engine.structured import StructuredOutput
 pytestmark = pytest.mark.unit
 
 PROMPT = [{"role": "user", "content": "Write three sentences about the sea."}]
-
-
-def run(engine, request_id, n_steps=None):
-    """Step until `request_id` finished (or `n_steps` steps); its outputs."""
-    outs = []
-    steps = 0
-    while engine.has_unfinished() and (n_steps is None or steps < n_steps):
-        outs += [o for o in engine.step() if o.request_id == request_id]
-        steps += 1
-        if outs and outs[-1].finished:
-            break
-    return outs
 
 
 def tokens_and_text(outs):
