@@ -59,11 +59,6 @@ class ClusterConfig(Strict):
                              "use queue or fixed in aggregated mode")
         if self.gateway.colocate:
             self._check_colocated()
-        if self.prefill.engine_process and self.cache.enabled:
-            # The tier's LMCache connector works inside the engine's step, in the
-            # replica's own process, so that engine stays there.
-            raise ValueError("prefill.engine_process: a prefill replica with an LMCache tier (cache:) runs its "
-                             "engine on a thread of the replica")
         return self
 
     def _check_colocated(self) -> None:

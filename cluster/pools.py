@@ -54,7 +54,7 @@ class PoolConfig(BaseModel):
     # pool's default: on for the aggregated pool (measured faster,
     # docs/benchmarks.md) and, on a CPU, for prefill and decode (their KV tensor is
     # shared with the replica's transfer backend through CPU shared memory, so on a GPU
-    # their engine runs on a thread; so does a prefill engine with an LMCache tier).
+    # their engine runs on a thread). A prefill pool's LMCache tier lives with its engine.
     engine_process: bool | None = None
     max_ongoing_requests: int = Field(64, ge=1)
     # Only on the nodes that offer `duet/<node_group>` (None: any node).

@@ -25,6 +25,7 @@ import torch
 
 from engine.config import EngineConfig, Role
 from engine.engine import Engine, MovedSequence
+from engine.external_kv import ExternalKVSpec, ManagedExternalKV
 from engine.kv_events import KVEvent
 from engine.request import RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class AsyncEngine:
         self._events: list[KVEvent] = []
         self._events_lock = threading.Lock()
         self.stats: EngineStats = engine.stats()
+        self.external_kv: ManagedExternalKV | None = None  # built by `start_engine`; closed by `shutdown`
         self._thread = threading.Thread(target=self._loop, name="duet-engine", daemon=True)
         self._thread.start()
 
@@ -71,6 +73,11 @@ class AsyncEngine:
     def kv_data(self) -> torch.Tensor:
         """The engine's KV tensor, for the replica's transfer backend to register."""
         return self.engine.kv_cache.data
+
+    @property
+    def external_kv_stats(self) -> dict[str, Any]:
+        """The external KV cache's counters (`ManagedExternalKV.as_dict`); {} without one."""
+        return self.external_kv.as_dict() if self.external_kv is not None else {}
 
     # ------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -265,6 +272,8 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
+        if self.external_kv is not None:
+            self.external_kv.close()
 
 
 async def drain(request_id: str, q: asyncio.Queue, stream_interval: int,
@@ -330,15 +339,31 @@ def _ends_stream(item: RequestOutput | BaseException) -> bool:
     return isinstance(item, BaseException) or item.error is not None or item.finished
 
 
-def start_engine(cfg: EngineConfig, role: Role, threads: int, kv_events: bool = False) -> AsyncEngine:
+def start_engine(cfg: EngineConfig, role: Role, threads: int, kv_events: bool = False,
+                 external_kv: ExternalKVSpec | None = None) -> AsyncEngine:
     """A replica's engine on its own thread, warmed up: /ready means one request ran.
-    `kv_events`: the replica publishes its KV events (`AsyncEngine.take_kv_events`)."""
+    `kv_events`: the replica publishes its KV events (`AsyncEngine.take_kv_events`);
+    `external_kv`: the external KV cache to build and attach after the warm-up."""
     # Ray starts actors with OMP_NUM_THREADS=1; the pool's setting decides instead.
     torch.set_num_threads(threads)
     engine = Engine(cfg, role=role)
     aengine = AsyncEngine(engine, kv_events)
     aengine.submit(lambda: warm_up(engine)).result()
+    if external_kv is not None:
+        aengine.external_kv = aengine.submit(lambda: attach_external_kv(engine, external_kv)).result()
     return aengine
+
+
+def attach_external_kv(engine: Engine, spec: ExternalKVSpec) -> ManagedExternalKV:
+    """Build the external KV cache around the engine's KV tensor and attach it (between
+    steps, on the engine's thread)."""
+    cache = spec.build(engine.kv_cache.data, engine.model_fingerprint)
+    try:
+        engine.attach_external_kv(cache)
+    except BaseException:
+        cache.close()
+        raise
+    return cache
 
 
 def warm_up(engine: Engine) -> None:

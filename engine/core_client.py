@@ -13,8 +13,9 @@ Prefill and decode replicas register their KV tensor with their transfer backend
 (NIXL, gloo) in their own process: the child allocates that tensor in shared memory
 and the client maps it (`kv_data`), so a pull lands in (or reads from) the pages the
 engine uses. CPU only: a CUDA KV tensor is not shared this way (`engine_in_child`). A
-prefill replica with an LMCache tier keeps its engine on a thread: the tier's
-connector works inside the engine's step, in the replica's process.
+prefill replica's LMCache tier is built in the child too (`external_kv`), next to the
+engine whose step reads and writes it; its counters come with every step message
+(`external_kv_stats`), and the child closes it as it stops.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from engine.async_engine import EngineDead, Streams, drain, hand_off, route
 from engine.config import ConfigError, EngineConfig, Role, resolve_device
 from engine.core_process import EngineInfo
 from engine.engine import ExportedKV, MovedSequence
+from engine.external_kv import ExternalKVSpec
 from engine.kv_events import KVEvent
 from engine.request import RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
@@ -60,9 +62,10 @@ class EngineCoreClient:
     """Starts the engine core child, waits until it is warm, and talks to it."""
 
     def __init__(self, cfg: EngineConfig, role: Role, threads: int, kv_events: bool = False,
-                 on_export: Callable[[ExportedKV], None] | None = None):
+                 on_export: Callable[[ExportedKV], None] | None = None, external_kv: ExternalKVSpec | None = None):
         """`on_export` (prefill): leases a finished request's pinned blocks, on the
-        reader thread, before that step's outputs reach their streams."""
+        reader thread, before that step's outputs reach their streams. `external_kv`:
+        the external KV cache the child builds and attaches after its warm-up."""
         if role == "prefill" and on_export is None:
             raise ValueError("a prefill engine core needs on_export: its exports would never be leased")
         self._on_export = on_export
@@ -84,15 +87,20 @@ class EngineCoreClient:
         self._lock = threading.Lock()  # guards _calls, _streams and _events
         self._error: BaseException | None = None
         self._stopping = False
+        # The child closes its external cache as it stops: wait for that too.
+        self._stop_timeout_s = STOP_TIMEOUT_S + (external_kv.close_timeout_s if external_kv is not None else 0.0)
         try:
             # Prefill and decode move the engine's KV from this process: share it.
-            self._conn.send(("init", cfg.model_dump(), role, threads, kv_events, role in SHARED_KV_ROLES))
-            info, stats = self._wait_ready()
+            self._conn.send(("init", cfg.model_dump(), role, threads, kv_events, role in SHARED_KV_ROLES,
+                             external_kv))
+            info, stats, external_stats = self._wait_ready()
         except BaseException:
             self._kill()
             raise
         self.info: EngineInfo = info
         self.stats: EngineStats = stats
+        # The external KV cache's counters as of the last step ({} without one).
+        self.external_kv_stats: dict[str, Any] = external_stats or {}
         self.model_id = info.model_id
         self.model_fingerprint = info.model_fingerprint
         self.block_size = info.block_size
@@ -105,7 +113,7 @@ class EngineCoreClient:
         self._writer = threading.Thread(target=self._write, name="duet-engine-core-writer", daemon=True)
         self._writer.start()
 
-    def _wait_ready(self) -> tuple[EngineInfo, EngineStats]:
+    def _wait_ready(self) -> tuple[EngineInfo, EngineStats, dict[str, Any] | None]:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._conn.poll(1.0):
             if self.proc.poll() is not None:
@@ -115,7 +123,7 @@ class EngineCoreClient:
         msg = self._conn.recv()
         if msg[0] != "ready":
             raise EngineDead(f"engine core failed to start: {msg[1]}")
-        return msg[1], msg[2]
+        return msg[1], msg[2], msg[3]
 
     @property
     def kv_data(self) -> torch.Tensor:
@@ -130,7 +138,7 @@ class EngineCoreClient:
             while True:
                 msg = self._conn.recv()
                 if msg[0] == "step":
-                    self._on_step(msg[1], msg[2], msg[3], msg[4])
+                    self._on_step(*msg[1:])
                 elif msg[0] == "reply":
                     self._on_reply(msg[1], msg[2], msg[3])
                 elif msg[0] == "died":
@@ -167,7 +175,7 @@ class EngineCoreClient:
                 return
 
     def _on_step(self, outputs: list[RequestOutput], stats: EngineStats, events: list[KVEvent],
-                 exports: list[ExportedKV]) -> None:
+                 exports: list[ExportedKV], external_stats: dict[str, Any] | None) -> None:
         for export in exports:  # before the outputs: a finished prefill's caller reads its lease
             self._lease(export)
         with self._lock:
@@ -175,6 +183,8 @@ class EngineCoreClient:
             if events:
                 self._events.extend(events)
         self.stats = stats
+        if external_stats is not None:
+            self.external_kv_stats = external_stats
         hand_off(deliveries)
 
     def _lease(self, export: ExportedKV) -> None:
@@ -323,7 +333,7 @@ class EngineCoreClient:
         self._send(("stop",))
         self._outbox.put(None)
         try:
-            self.proc.wait(STOP_TIMEOUT_S)
+            self.proc.wait(self._stop_timeout_s)
         except subprocess.TimeoutExpired:
             self._kill()
         self._conn.close()

@@ -22,13 +22,18 @@ request_id, prompt_ids, first_token, sampling, block_ids, cache_salt, resume)` w
 `MovedSequence`s, sent before the step that ends their streams); `("abort", call_id,
 request_id)`; `("stop",)`.
 Child → parent: `("ready", EngineInfo)` once, `("reply", call_id, ok, value)`,
-`("step", outputs, stats, kv_events, exports)` (exports: a prefill engine's
-`ExportedKV`s of that step, for the replica to lease before it delivers the outputs),
+`("step", outputs, stats, kv_events, exports, external_kv_stats)` (exports: a prefill
+engine's `ExportedKV`s of that step, for the replica to lease before it delivers the
+outputs; external_kv_stats: its LMCache tier's counters, or None without one),
 `("died", message)` before a fatal exit.
 
 Started as `python -m engine.core_process FD`, the socket's descriptor inherited; the
 first message on it is `("init", engine_config_dict, role, threads, kv_events,
-share_kv)`. With `share_kv` the KV tensor lives in shared memory and `EngineInfo`
+share_kv, external_kv)`. `external_kv` (an `ExternalKVSpec`, or None) names the
+external KV cache (a prefill replica's LMCache tier) that the child builds around its
+KV tensor after the warm-up, attaches, and closes as it stops: the tier's reads and
+writes of the KV happen inside the engine's step, so the tier lives where the engine
+runs. With `share_kv` the KV tensor lives in shared memory and `EngineInfo`
 says where, so a prefill or decode replica registers it with NIXL (or gloo) in its own
 process: decode pulls straight into the pages this engine reads, and a decode replica
 pulls from the pages a prefill engine wrote. The
@@ -52,6 +57,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from engine.engine import Engine, ExportedKV
+    from engine.external_kv import ManagedExternalKV
     from engine.kv_cache import SharedKV
     from engine.sampling_params import SamplingParams
     from engine.structured import GrammarMatcher
@@ -92,10 +98,11 @@ class _Start:
 class _Core:
     """The child's state: the engine, the grammars being compiled, the pipe."""
 
-    def __init__(self, conn: Connection, engine: Engine, kv_events: bool):
+    def __init__(self, conn: Connection, engine: Engine, kv_events: bool, external_kv: ManagedExternalKV | None):
         self.conn = conn
         self.engine = engine
         self.kv_events = kv_events
+        self.external_kv = external_kv
         # A large JSON schema takes milliseconds or more to compile: never in the step
         # loop. A request waits here until its matcher is ready, then starts.
         self.grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="duet-grammar")
@@ -223,7 +230,8 @@ class _Core:
     def _send_step(self, outputs: list) -> None:
         events = self.engine.take_kv_events()
         exports, self.exports = self.exports, []
-        self.conn.send(("step", outputs, self.engine.stats(), events if self.kv_events else [], exports))
+        external = self.external_kv.as_dict() if self.external_kv is not None else None
+        self.conn.send(("step", outputs, self.engine.stats(), events if self.kv_events else [], exports, external))
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -238,24 +246,27 @@ def _portable(e: BaseException) -> BaseException:
 def main(fd: int) -> int:
     conn = Connection(fd)
     try:
-        _, engine_cfg, role, threads, kv_events, share_kv = conn.recv()
+        _, engine_cfg, role, threads, kv_events, share_kv, external_spec = conn.recv()
     except EOFError:
         return 1
+    external_kv = None
     try:
         import torch
 
-        from engine.async_engine import warm_up
+        from engine.async_engine import attach_external_kv, warm_up
         from engine.config import EngineConfig
         from engine.engine import Engine
 
         torch.set_num_threads(threads)
         engine = Engine(EngineConfig.model_validate(engine_cfg), role=role, share_kv=share_kv)
         warm_up(engine)
+        if external_spec is not None:
+            external_kv = attach_external_kv(engine, external_spec)
         conn.send(("ready", EngineInfo(engine.model_id, engine.model_fingerprint, engine.cfg.block_size,
                                        engine.block_pool.num_blocks, engine.cfg.stream_interval, os.getpid(),
                                        engine.kv_cache.share()),
-                   engine.stats()))
-        _Core(conn, engine, kv_events).run()
+                   engine.stats(), external_kv.as_dict() if external_kv is not None else None))
+        _Core(conn, engine, kv_events, external_kv).run()
         return 0
     except BaseException as e:
         log.exception("engine core died")
@@ -264,6 +275,9 @@ def main(fd: int) -> int:
         except OSError:
             pass
         return 1
+    finally:
+        if external_kv is not None:
+            external_kv.close()  # bounded by its spec's close_timeout_s, which the parent waits for
 
 
 if __name__ == "__main__":
@@ -272,4 +286,10 @@ if __name__ == "__main__":
     # must be named `engine.core_process.*` for the parent to load them.
     from engine.core_process import main as _main
 
-    sys.exit(_main(int(sys.argv[1])))  # the socket pair's end, inherited
+    code = _main(int(sys.argv[1]))  # the socket pair's end, inherited
+    # Not sys.exit: an external cache whose close timed out may have left threads
+    # behind that the interpreter's shutdown would wait for.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -9,11 +9,12 @@ them the moment the request finishes (before its last output is delivered), and
 The replica publishes its block pool's KV events for the routers
 (kvtransfer/events/publisher.py).
 
-On a CPU, and without an LMCache tier, the engine runs in a child process
-(`prefill.engine_process`, engine/core_process.py): its KV tensor is shared memory
-that this process registers with the transfer backend, and each step's exports reach
-`_lease` before that step's outputs. With a tier the engine stays on a thread here:
-the tier's connector works inside the engine's step.
+On a CPU the engine runs in a child process (`prefill.engine_process`,
+engine/core_process.py): its KV tensor is shared memory that this process registers
+with the transfer backend, and each step's exports reach `_lease` before that step's
+outputs. The LMCache tier is built, used and closed wherever the engine runs (its
+connector works inside the engine's step): the replica names it
+(`KVTierConfig.external_kv_spec`) and reads its counters with the engine's stats.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServer:
-    """Owns one prefill engine, its KV tier, its handoff exporter and its event publisher.
+    """Owns one prefill engine (with its KV tier), its handoff exporter and its event publisher.
 
     Constructor arguments are dumped settings (plain dicts, as Serve configs carry
     them): `engine` an `EngineConfig`, `transfer` a `TransferConfig`, `cache` a
@@ -59,20 +60,15 @@ class PrefillServer:
         engine_cfg = EngineConfig.model_validate(engine)
         transfer_cfg = TransferConfig.model_validate(transfer)
         tier_cfg = KVTierConfig.model_validate(cache)
+        tier = tier_cfg.external_kv_spec() if tier_cfg.enabled else None
         self.replica_id = replica_id()
-        self.tier = None
         self.aengine: AsyncEngine | EngineCoreClient
-        if not tier_cfg.enabled and engine_in_child(engine_process, engine_cfg, "prefill"):
-            self.aengine = EngineCoreClient(engine_cfg, "prefill", threads, kv_events=True, on_export=self._lease)
+        if engine_in_child(engine_process, engine_cfg, "prefill"):
+            self.aengine = EngineCoreClient(engine_cfg, "prefill", threads, kv_events=True, on_export=self._lease,
+                                            external_kv=tier)
         else:
-            self.aengine = start_engine(engine_cfg, "prefill", threads, kv_events=True)
-            eng = self.aengine.engine
-            if tier_cfg.enabled:
-                from prefill.kv_tier.tier import KVTier  # imports LMCache: only when a tier is on
-
-                tier = self.tier = KVTier(tier_cfg, eng.kv_cache.data, eng.model_fingerprint)
-                self.aengine.submit(lambda: eng.attach_external_kv(tier)).result()
-            eng.on_export = self._lease
+            self.aengine = start_engine(engine_cfg, "prefill", threads, kv_events=True, external_kv=tier)
+            self.aengine.engine.on_export = self._lease
         self.events = KVEventPublisher(
             PrefixIndexConfig.model_validate(prefix_index), engine_cfg.block_size, self.replica_id,
             self.aengine.take_kv_events,
@@ -98,8 +94,7 @@ class PrefillServer:
         self.aengine.release_blocks(list(block_ids))
 
     def _engine_stats(self) -> dict[str, Any]:
-        tier = self.tier.as_dict() if self.tier is not None else {}
-        return {**self.aengine.stats.as_dict(), **self.exporter.stats(), **tier}
+        return {**self.aengine.stats.as_dict(), **self.exporter.stats(), **self.aengine.external_kv_stats}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by Serve every `router.stats_period_s` and handed to every router."""
@@ -178,15 +173,15 @@ class PrefillServer:
             "node_ip": node_ip(),
             **self.exporter.stats(),
             **self.events.stats(),
-            **(self.tier.as_dict() if self.tier is not None else {}),
+            **self.aengine.external_kv_stats,
         }
 
     async def check_health(self) -> None:
         self.aengine.check_health()
 
     def shutdown(self) -> None:
-        """Drain, then stop the control port, transfers and engine, then the tier
-        (bounded: see KVTier.close).
+        """Drain, then stop the control port, transfers and engine (the engine's
+        runner closes the tier last, bounded: see KVTier.close).
 
         Serve calls this (through `__del__`) after it has stopped routing to the replica
         and its calls have ended; the leases it granted outlive those calls, so it
@@ -201,8 +196,6 @@ class PrefillServer:
         steps = (self.telemetry.close, self.exporter.close, self.exporter.backend.close, self.aengine.shutdown,
                  self.events.close)
         close_in_order(steps, "prefill")
-        if self.tier is not None:
-            self.tier.close()
 
     def __del__(self):
         try:

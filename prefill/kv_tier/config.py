@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.external_kv import ExternalKVSpec
+
 
 class KVTierConfig(BaseModel):
     """Which tiers are on and how big; 0 / None turns a tier off."""
@@ -39,3 +41,7 @@ class KVTierConfig(BaseModel):
     @property
     def enabled(self) -> bool:
         return self.cpu_bytes > 0 or self.disk_path is not None or self.redis_url is not None
+
+    def external_kv_spec(self) -> ExternalKVSpec:
+        """The tier as the engine's runner builds it (a thread's or a child process's)."""
+        return ExternalKVSpec("prefill.kv_tier.tier:build_tier", self.model_dump(), self.close_timeout_s)

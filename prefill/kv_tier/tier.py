@@ -249,6 +249,11 @@ class KVTier:
         self.close()
 
 
+def build_tier(config: dict, kv: torch.Tensor, model_fingerprint: str) -> KVTier:
+    """`KVTierConfig.external_kv_spec`'s factory: the tier, built where the engine runs."""
+    return KVTier(KVTierConfig.model_validate(config), kv, model_fingerprint)
+
+
 def _salted(cache_salt: str | None) -> dict[str, str] | None:
     """LMCache's per-request configs for a salt: a key tag, so a salted chunk's key
     (and its disk file and Redis key names) differs from every other salt's."""

@@ -153,8 +153,10 @@ CLUSTERS: dict[str, dict] = {
         "cache.cpu_bytes": 256 << 20,
         "cache.redis_url": f"redis://127.0.0.1:{TIERS_REDIS_PORT}/0",
     },
-    # ... or disk alone (it outlives a replica).
-    "tiers-disk": {**TIERS_BASE, "cache.disk_path": str(KV_DISK_DIR), "cache.disk_bytes": 1 << 30},
+    # ... or disk alone (it outlives a replica), with the prefill engine and its tier on
+    # a thread of the replica (as on a GPU); everywhere else they run in a child process.
+    "tiers-disk": {**TIERS_BASE, "cache.disk_path": str(KV_DISK_DIR), "cache.disk_bytes": 1 << 30,
+                   "prefill.engine_process": False},
     # The fuzzer's (test_gateway_fuzz.py): 128-token contexts, at most 2 completion tokens
     # and 2 choices, a 90 s request deadline. Most fuzzed bodies that validate ask for
     # the most tokens allowed, and generating them was most of the fuzzer's time.

@@ -102,10 +102,9 @@ def test_every_pool_may_run_its_engine_in_a_child(pool):
     assert getattr(load_config(), pool).engine_process is None  # the pool's default: on (prefill, decode: on a CPU)
 
 
-def test_a_prefill_engine_with_an_lmcache_tier_stays_on_a_thread():
-    assert load_config(overrides={"cache.cpu_bytes": 1 << 20}).cache.enabled  # the default: on a thread then
-    with pytest.raises(ConfigError, match="prefill.engine_process"):
-        load_config(overrides={"prefill.engine_process": True, "cache.cpu_bytes": 1 << 20})
+def test_a_prefill_engine_with_an_lmcache_tier_may_run_in_a_child():
+    cfg = load_config(overrides={"prefill.engine_process": True, "cache.cpu_bytes": 1 << 20})
+    assert cfg.cache.enabled and cfg.prefill.engine_process  # the tier is built in the child
 
 
 def test_the_gateway_colocates_only_with_replicas_it_can_route_among():

@@ -1,12 +1,17 @@
 """The engine's external KV hook (engine/external_kv.py) with a fake tier: a hit
-loads KV into fresh blocks and gives the same greedy tokens as a miss."""
+loads KV into fresh blocks and gives the same greedy tokens as a miss. A cache named by
+an `ExternalKVSpec` is built around the engine's KV by whoever runs the engine, which
+owns it: its counters, and its close (also when the engine refuses it)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 
-from engine.external_kv import ExternalKVCache
+from engine.async_engine import AsyncEngine, attach_external_kv
+from engine.external_kv import ExternalKVCache, ExternalKVSpec
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -201,3 +206,56 @@ def test_a_failed_load_attributes_no_tokens_to_an_earlier_loads_sources(make_eng
     b.attach_external_kv(tier_b)
     final = list(b.stream(shared, GREEDY))[-1]
     assert final.metrics.cached_tokens_by_source == {}
+
+
+
+class OwnedTier(FakeTier):
+    """A `ManagedExternalKV`: counters and a close, as the LMCache tier has."""
+
+    closed = False
+
+    def as_dict(self) -> dict:
+        return {"fake_stores": self.stores}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+BUILT: list[OwnedTier] = []
+
+
+def make_owned_tier(config: dict, kv: torch.Tensor, model_fingerprint: str) -> OwnedTier:
+    """The factory an `ExternalKVSpec` names (this module, by its import name)."""
+    tier = OwnedTier(kv, {}, 16)
+    tier.chunk_size = config["chunk_size"]
+    BUILT.append(tier)
+    return tier
+
+
+def test_the_engine_thread_builds_owns_and_closes_the_cache_its_spec_names(make_engine):
+    e = make_engine(role="prefill")
+    aengine = AsyncEngine(e)
+    try:
+        spec = ExternalKVSpec(f"{__name__}:make_owned_tier", {"chunk_size": CHUNK})
+        tier = aengine.external_kv = aengine.submit(lambda: attach_external_kv(e, spec)).result(30)
+        assert isinstance(tier, OwnedTier) and tier.kv is e.kv_cache.data  # built around the engine's KV
+        assert aengine.external_kv_stats == {"fake_stores": 0}
+
+        async def prefill() -> None:
+            outs = [o async for batch in await aengine.add_request("r", prompt(70, seed=6), GREEDY) for o in batch]
+            assert outs[-1].finished
+
+        asyncio.run(prefill())
+        assert aengine.external_kv_stats == {"fake_stores": 1}  # stored as its prefill completed
+    finally:
+        aengine.shutdown()
+    assert tier.closed
+
+
+def test_a_cache_the_engine_refuses_is_closed_again(make_engine):
+    BUILT.clear()
+    spec = ExternalKVSpec(f"{__name__}:make_owned_tier", {"chunk_size": 24})  # not whole 16-token blocks
+    with pytest.raises(ValueError, match="chunk_size 24"):
+        attach_external_kv(make_engine(), spec)
+    (tier,) = BUILT
+    assert tier.closed
