@@ -14,9 +14,10 @@ import contextlib
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from engine.async_engine import AsyncEngine, start_engine
+from engine.async_engine import start_engine
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient
+from engine.replica_engine import ReplicaEngine
 from engine.request import RequestOutput
 from kvtransfer.events.config import PrefixIndexConfig
 from kvtransfer.events.publisher import KVEventPublisher
@@ -40,7 +41,7 @@ class AggregatedServer:
         kv_events = prefix_index is not None
         # `engine_process`: the engine core in a child process (no GIL shared with
         # this replica's event loop); otherwise on a thread of this process.
-        self.aengine: AsyncEngine | EngineCoreClient = (
+        self.aengine: ReplicaEngine = (
             EngineCoreClient(engine_cfg, "aggregated", threads, kv_events=kv_events) if engine_process
             else start_engine(engine_cfg, "aggregated", threads, kv_events=kv_events))
         self.events = None if prefix_index is None else KVEventPublisher(

@@ -31,10 +31,11 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from autoscaling.signals import DecodeSignals
-from engine.async_engine import AsyncEngine, start_engine
+from engine.async_engine import start_engine
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, engine_in_child
 from engine.engine import MovedSequence
+from engine.replica_engine import ReplicaEngine
 from engine.request import FinishReason, RequestOutput
 from kvtransfer.backends import backend_for
 from kvtransfer.config import TransferConfig
@@ -69,7 +70,7 @@ class DecodeServer:
         kv_events = prefix_index is not None
         # The engine core in a child process, its KV tensor in shared memory that this
         # process maps and registers with the transfer backend (on a CPU).
-        self.aengine: AsyncEngine | EngineCoreClient = (
+        self.aengine: ReplicaEngine = (
             EngineCoreClient(engine_cfg, "decode", threads, kv_events=kv_events)
             if engine_in_child(engine_process, engine_cfg, "decode")
             else start_engine(engine_cfg, "decode", threads, kv_events=kv_events))

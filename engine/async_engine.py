@@ -27,6 +27,7 @@ from engine.config import EngineConfig, Role
 from engine.engine import Engine, MovedSequence
 from engine.external_kv import ExternalKVSpec, ManagedExternalKV
 from engine.kv_events import KVEvent
+from engine.replica_engine import pool_holds
 from engine.request import RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -221,7 +222,7 @@ class AsyncEngine:
 
     def could_ever_hold(self, num_tokens: int) -> bool:
         """Whether the whole pool, empty, holds `num_tokens` (the pool's size never changes)."""
-        return -(-num_tokens // self.block_size) <= self.num_kv_blocks
+        return pool_holds(num_tokens, self.block_size, self.num_kv_blocks)
 
     def release_blocks(self, block_ids: list[int]) -> concurrent.futures.Future:
         """Free blocks nobody will use (a lease that ended, an import that did not

@@ -44,6 +44,7 @@ from engine.core_process import EngineInfo
 from engine.engine import ExportedKV, MovedSequence
 from engine.external_kv import ExternalKVSpec
 from engine.kv_events import KVEvent
+from engine.replica_engine import pool_holds
 from engine.request import RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -289,7 +290,7 @@ class EngineCoreClient:
 
     def could_ever_hold(self, num_tokens: int) -> bool:
         """Whether the whole pool, empty, holds `num_tokens` (the pool's size never changes)."""
-        return -(-num_tokens // self.block_size) <= self.num_kv_blocks
+        return pool_holds(num_tokens, self.block_size, self.num_kv_blocks)
 
     def release_blocks(self, block_ids: list[int]) -> concurrent.futures.Future:
         """Free blocks nobody will use; from any thread, without waiting."""

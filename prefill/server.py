@@ -24,10 +24,11 @@ import logging
 from typing import Any
 
 from autoscaling.signals import PrefillSignals
-from engine.async_engine import AsyncEngine, start_engine
+from engine.async_engine import start_engine
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, engine_in_child
 from engine.engine import ExportedKV
+from engine.replica_engine import ReplicaEngine
 from engine.request import FinishReason
 from kvtransfer.backends import backend_for
 from kvtransfer.config import TransferConfig
@@ -62,13 +63,14 @@ class PrefillServer:
         tier_cfg = KVTierConfig.model_validate(cache)
         tier = tier_cfg.external_kv_spec() if tier_cfg.enabled else None
         self.replica_id = replica_id()
-        self.aengine: AsyncEngine | EngineCoreClient
+        self.aengine: ReplicaEngine
         if engine_in_child(engine_process, engine_cfg, "prefill"):
             self.aengine = EngineCoreClient(engine_cfg, "prefill", threads, kv_events=True, on_export=self._lease,
                                             external_kv=tier)
         else:
-            self.aengine = start_engine(engine_cfg, "prefill", threads, kv_events=True, external_kv=tier)
-            self.aengine.engine.on_export = self._lease
+            on_thread = start_engine(engine_cfg, "prefill", threads, kv_events=True, external_kv=tier)
+            on_thread.engine.on_export = self._lease
+            self.aengine = on_thread
         self.events = KVEventPublisher(
             PrefixIndexConfig.model_validate(prefix_index), engine_cfg.block_size, self.replica_id,
             self.aengine.take_kv_events,
