@@ -42,6 +42,7 @@ import platform
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,7 @@ from bench.json_output import write_json
 from bench.loadgen_subprocess import run_loadgen, summarize
 from bench.machine_ceilings import cpu_flags, measure
 from cluster import serve_cli
-from cluster.config import load_config
+from cluster.config import ClusterConfig, load_config
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
@@ -122,22 +123,39 @@ def in_process(points: list[tuple[int, list[str]]], warmup: list[str], output_le
     return rows, ceilings
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How the servers are laid out on the machine (the module docstring says why)."""
+
+    dtype: str = "auto"
+    port: int = 8071
+    stream_interval: int = 1
+    aggregated_threads: int = 2
+    aggregated_replicas: int = 1
+    pd_threads: tuple[int, int] = (1, 1)  # prefill, decode
+    engine_process: bool = True  # every pool's engine core in a child process
+    share_cores: bool = False  # the engine cores lend each other idle cores (engine.share_cores)
+    colocate: bool = True  # the gateway inside the replica that decodes
+    ingress: str = "haproxy"
+
+    def config(self, mode: str) -> ClusterConfig:
+        cfg = load_config(overrides={"mode": mode, "gateway.port": self.port, "engine.dtype": self.dtype,
+                                     "engine.stream_interval": self.stream_interval, "gateway.ingress": self.ingress,
+                                     "gateway.colocate": self.colocate, "engine.share_cores": self.share_cores})
+        if mode == "aggregated":  # both pools' CPU reservation, shared
+            cfg.aggregated.threads = self.aggregated_threads
+            cfg.aggregated.replicas = self.aggregated_replicas
+            cfg.aggregated.num_cpus = (cfg.prefill.num_cpus + cfg.decode.num_cpus) / self.aggregated_replicas
+            cfg.aggregated.engine_process = self.engine_process
+        else:
+            cfg.prefill.threads, cfg.decode.threads = self.pd_threads
+            cfg.prefill.engine_process = cfg.decode.engine_process = self.engine_process
+        return cfg
+
+
 def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], input_len: int, output_len: int,
-           served_threads: int, served_replicas: int, dtype: str, port: int, stream_interval: int,
-           engine_process: bool = True, colocate: bool = False, ingress: str = "proxy",
-           pd_threads: tuple[int, int] = (1, 1)) -> list[dict]:
-    cfg = load_config(overrides={"mode": mode, "gateway.port": port, "engine.dtype": dtype,
-                                 "engine.stream_interval": stream_interval, "gateway.ingress": ingress,
-                                 "gateway.colocate": colocate})
-    if mode == "aggregated":  # both pools' CPU reservation, shared; its threads: see the module docstring
-        cfg.aggregated.threads = served_threads
-        cfg.aggregated.replicas = served_replicas
-        cfg.aggregated.num_cpus = (cfg.prefill.num_cpus + cfg.decode.num_cpus) / served_replicas
-        cfg.aggregated.engine_process = engine_process
-    else:
-        cfg.prefill.threads, cfg.decode.threads = pd_threads
-        cfg.decode.engine_process = engine_process
-    url = serve_cli.start(cfg)
+           layout: Layout) -> list[dict]:
+    url = serve_cli.start(layout.config(mode))
     rows = []
     try:
         for (conc, prompts), seed in zip(points, seeds):
@@ -185,14 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-threads", type=int, default=2, help="each aggregated replica's threads")
     p.add_argument("--served-replicas", type=int, default=1, help="aggregated replicas (KV-aware routed)")
     p.add_argument("--engine-thread", action="store_true",
-                   help="aggregated and decode replicas run their engine on a thread, not in a child "
-                        "(the pools' engine_process)")
+                   help="every replica runs its engine on a thread, not in a child (the pools' engine_process)")
     p.add_argument("--ingress", choices=["proxy", "haproxy"], default="haproxy",
                    help="the servers' gateway.ingress: Serve's Python proxy, or HAProxy to the replica's own server")
     p.add_argument("--relay", action="store_true",
                    help="a gateway replica of its own relays the tokens (gateway.colocate off)")
     p.add_argument("--prefill-threads", type=int, default=1, help="the disaggregated prefill replica's threads")
     p.add_argument("--decode-threads", type=int, default=1, help="the disaggregated decode replica's threads")
+    p.add_argument("--share-cores", action="store_true",
+                   help="the engine cores lend each other the cores they are not using (engine.share_cores)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--stream-interval", type=int, default=1, help="the servers' engine.stream_interval")
@@ -207,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__, "threads": a.threads, "served_threads": a.served_threads,
                     "served_replicas": a.served_replicas, "engine_process": not a.engine_thread,
                     "colocate": not a.relay, "ingress": a.ingress,
-                    "pd_threads": [a.prefill_threads, a.decode_threads]},
+                    "pd_threads": [a.prefill_threads, a.decode_threads], "share_cores": a.share_cores},
         "workload": {"input_len": a.input_len, "output_len": a.output_len, "dtype": a.dtype,
                      "stream_interval": a.stream_interval,
                      "requests": {c: len(ps) for c, ps in points}},
@@ -215,11 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     print("in-process engine", flush=True)
     warmup = point_prompts(2, a.input_len, 4, seed=1)
     result["in_process"], result["ceilings"] = in_process(points, warmup, a.output_len, a.threads, a.dtype)
+    layout = Layout(dtype=a.dtype, port=a.port, stream_interval=a.stream_interval,
+                    aggregated_threads=a.served_threads, aggregated_replicas=a.served_replicas,
+                    pd_threads=(a.prefill_threads, a.decode_threads), engine_process=not a.engine_thread,
+                    share_cores=a.share_cores, colocate=not a.relay, ingress=a.ingress)
     for mode in a.modes:
         print(mode, flush=True)
-        result[mode] = served(mode, points, seeds, a.input_len, a.output_len, a.served_threads, a.served_replicas,
-                              a.dtype, a.port, a.stream_interval, not a.engine_thread, not a.relay, a.ingress,
-                              (a.prefill_threads, a.decode_threads))
+        result[mode] = served(mode, points, seeds, a.input_len, a.output_len, layout)
     print(table(result))
     write_json(a.json, result)
     return 0

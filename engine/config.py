@@ -137,6 +137,11 @@ class EngineConfig(BaseModel):
     stream_interval: int = Field(1, ge=1)
     # Speculative decoding in the roles that decode (engine/speculative.py); off by default.
     speculative: SpeculativeConfig = SpeculativeConfig()
+    # An engine core process (a pool's `engine_process`) sizes its thread team before
+    # each step to the cores that the other busy engine cores of this machine leave, up
+    # to its pool's `threads` (engine/core_share.py): colocated pools lend each other
+    # the cores they are not using.
+    share_cores: bool = False
 
     @model_validator(mode="after")
     def _limits(self) -> EngineConfig:

@@ -53,9 +53,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from engine.core_share import CoreShare
     from engine.engine import Engine, ExportedKV
     from engine.external_kv import ManagedExternalKV
     from engine.kv_cache import SharedKV
@@ -98,7 +101,8 @@ class _Start:
 class _Core:
     """The child's state: the engine, the grammars being compiled, the pipe."""
 
-    def __init__(self, conn: Connection, engine: Engine, kv_events: bool, external_kv: ManagedExternalKV | None):
+    def __init__(self, conn: Connection, engine: Engine, kv_events: bool, external_kv: ManagedExternalKV | None,
+                 cores: CoreShare | None):
         self.conn = conn
         self.engine = engine
         self.kv_events = kv_events
@@ -112,15 +116,21 @@ class _Core:
         if engine.role == "prefill":  # the replica leases them: each goes with its step's message
             engine.on_export = self._exported
         self.parent = os.getppid()
+        self.cores = cores
+        self.threads = torch.get_num_threads()
 
     def run(self) -> None:
         while True:
             stepping = self.engine.has_unfinished()
             busy = stepping or bool(self.compiling)
+            if not stepping and self.cores is not None:
+                self.cores.idle()  # waiting for work: the other engines may use our cores
             if not self._read_commands(0.0 if stepping else GRAMMAR_POLL_S if busy else IDLE_POLL_S):
                 return
             self._start_compiled()
             if self.engine.has_unfinished():
+                if self.cores is not None:
+                    self._use_threads(self.cores.busy())
                 outputs = self.engine.step()
                 self._send_step(outputs)
             elif self.changed:  # e.g. blocks reserved or released: the stats moved
@@ -128,6 +138,11 @@ class _Core:
             self.changed = False
             if not busy and os.getppid() != self.parent:
                 return  # the replica is gone (its socket end may live on in a grandchild)
+
+    def _use_threads(self, n: int) -> None:
+        if n != self.threads:
+            torch.set_num_threads(n)
+            self.threads = n
 
     def _read_commands(self, timeout: float) -> bool:
         """Run every command that has arrived, waiting up to `timeout` for the first;
@@ -250,15 +265,16 @@ def main(fd: int) -> int:
     except EOFError:
         return 1
     external_kv = None
+    cores = None
     try:
-        import torch
-
         from engine.async_engine import attach_external_kv, warm_up
         from engine.config import EngineConfig
+        from engine.core_share import CoreShare
         from engine.engine import Engine
 
         torch.set_num_threads(threads)
-        engine = Engine(EngineConfig.model_validate(engine_cfg), role=role, share_kv=share_kv)
+        cfg = EngineConfig.model_validate(engine_cfg)
+        engine = Engine(cfg, role=role, share_kv=share_kv)
         warm_up(engine)
         if external_spec is not None:
             external_kv = attach_external_kv(engine, external_spec)
@@ -266,7 +282,9 @@ def main(fd: int) -> int:
                                        engine.block_pool.num_blocks, engine.cfg.stream_interval, os.getpid(),
                                        engine.kv_cache.share()),
                    engine.stats(), external_kv.as_dict() if external_kv is not None else None))
-        _Core(conn, engine, kv_events, external_kv).run()
+        if cfg.share_cores:
+            cores = CoreShare(threads)
+        _Core(conn, engine, kv_events, external_kv, cores).run()
         return 0
     except BaseException as e:
         log.exception("engine core died")
@@ -276,6 +294,8 @@ def main(fd: int) -> int:
             pass
         return 1
     finally:
+        if cores is not None:
+            cores.close()
         if external_kv is not None:
             external_kv.close()  # bounded by its spec's close_timeout_s, which the parent waits for
 

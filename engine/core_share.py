@@ -1,0 +1,104 @@
+"""Cores shared between the engine core processes of one machine.
+
+A prefill and a decode engine colocated on a few cores each get a static share of
+them: each runs one OpenMP team, and while one pool idles its cores idle with it.
+Giving each team every core instead makes the two teams preempt each other inside
+their barriers whenever both are busy, which is slower still (docs/benchmarks.md).
+
+`CoreShare` hands the idle cores over. Every engine core process that shares
+(`engine.share_cores`) holds one slot in a small table in shared memory, one per
+machine and user, and writes there when it last started a step (0 while it waits for
+work). Before each step an engine counts the others that are busy now and sizes its
+team to the cores they leave: `threads` when it is alone, its share when both pools
+are busy. At one request in flight the prefill step and the decode steps each get
+every core, as one aggregated engine's would.
+
+A slot whose step started over `BUSY_FOR_S` ago counts as idle (an engine that died
+mid-step frees its cores that way); a slot whose process is gone is taken by the
+next engine that starts.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+SLOTS = 64
+_SLOT = struct.Struct("qq")  # pid, monotonic ns when its current step started (0: idle)
+BUSY_FOR_S = 2.0  # longer than any step: a busy mark older than this is stale
+
+
+def table_path() -> Path:
+    """One table per machine and user: every engine core of this user here shares its cores."""
+    shm = Path("/dev/shm")
+    root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return root / f"duet-cores-{os.getuid()}"
+
+
+class CoreShare:
+    """This process's slot in the machine's table, and the team size it may use now."""
+
+    def __init__(self, max_threads: int, path: Path | None = None, cores: int | None = None):
+        self.max_threads = max_threads
+        self.cores = cores if cores is not None else len(os.sched_getaffinity(0))
+        self.path = path or table_path()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            size = SLOTS * _SLOT.size
+            fcntl.flock(fd, fcntl.LOCK_EX)  # one claimant at a time
+            try:
+                if os.fstat(fd).st_size < size:
+                    os.ftruncate(fd, size)
+                self._table = mmap.mmap(fd, size)
+                self._slot = self._claim()
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+        self._busy = False
+
+    def _claim(self) -> int:
+        for slot in range(SLOTS):
+            pid, _ = _SLOT.unpack_from(self._table, slot * _SLOT.size)
+            if pid == 0 or not _alive(pid):
+                _SLOT.pack_into(self._table, slot * _SLOT.size, os.getpid(), 0)
+                return slot
+        raise RuntimeError(f"more than {SLOTS} engine cores share {self.path}")
+
+    def busy(self) -> int:
+        """Mark this engine busy (a step starts) and say how many threads it may run."""
+        now = time.monotonic_ns()
+        _SLOT.pack_into(self._table, self._slot * _SLOT.size, os.getpid(), now)
+        self._busy = True
+        stale = now - int(BUSY_FOR_S * 1e9)
+        others = 0
+        for slot in range(SLOTS):
+            if slot != self._slot:
+                pid, since = _SLOT.unpack_from(self._table, slot * _SLOT.size)
+                others += pid != 0 and since > stale
+        return max(1, min(self.max_threads, self.cores - others))
+
+    def idle(self) -> None:
+        """Mark this engine idle (it waits for work): its cores are the others' to use."""
+        if self._busy:
+            _SLOT.pack_into(self._table, self._slot * _SLOT.size, os.getpid(), 0)
+            self._busy = False
+
+    def close(self) -> None:
+        _SLOT.pack_into(self._table, self._slot * _SLOT.size, 0, 0)
+        self._table.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
