@@ -347,6 +347,9 @@ def start_engine(cfg: EngineConfig, role: Role, threads: int, kv_events: bool = 
     `external_kv`: the external KV cache to build and attach after the warm-up."""
     # Ray starts actors with OMP_NUM_THREADS=1; the pool's setting decides instead.
     torch.set_num_threads(threads)
+    if cfg.share_cores:
+        log.warning("engine.share_cores: a %s engine on a thread keeps its %d threads (only engine core "
+                    "processes share cores)", role, threads)
     engine = Engine(cfg, role=role)
     aengine = AsyncEngine(engine, kv_events)
     aengine.submit(lambda: warm_up(engine)).result()
