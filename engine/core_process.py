@@ -21,7 +21,7 @@ request_id, prompt_ids, first_token, sampling, block_ids, cache_salt, resume)` w
 `("move_out", call_id, request_ids)` (a draining decode replica; the reply is the
 `MovedSequence`s, sent before the step that ends their streams); `("abort", call_id,
 request_id)`; `("stop",)`.
-Child → parent: `("ready", EngineInfo)` once, `("reply", call_id, ok, value)`,
+Child → parent: `("ready", EngineInfo, stats, external_kv_stats)` once, `("reply", call_id, ok, value)`,
 `("step", outputs, stats, kv_events, exports, external_kv_stats)` (exports: a prefill
 engine's `ExportedKV`s of that step, for the replica to lease before it delivers the
 outputs; external_kv_stats: its LMCache tier's counters, or None without one),
@@ -39,6 +39,10 @@ process: decode pulls straight into the pages this engine reads, and a decode re
 pulls from the pages a prefill engine wrote. The
 child exits when the socket closes or its parent changes (the replica died): it is
 never an orphan that holds a core.
+
+With `engine.share_cores` the child sizes its thread team before each step to the
+cores the other busy engine cores of this machine leave (engine/core_share.py), up to
+`threads`.
 """
 
 from __future__ import annotations
@@ -278,12 +282,12 @@ def main(fd: int) -> int:
         warm_up(engine)
         if external_spec is not None:
             external_kv = attach_external_kv(engine, external_spec)
+        if cfg.share_cores:
+            cores = CoreShare(threads)
         conn.send(("ready", EngineInfo(engine.model_id, engine.model_fingerprint, engine.cfg.block_size,
                                        engine.block_pool.num_blocks, engine.cfg.stream_interval, os.getpid(),
                                        engine.kv_cache.share()),
                    engine.stats(), external_kv.as_dict() if external_kv is not None else None))
-        if cfg.share_cores:
-            cores = CoreShare(threads)
         _Core(conn, engine, kv_events, external_kv, cores).run()
         return 0
     except BaseException as e:
