@@ -107,8 +107,9 @@ class EngineCoreClient:
         self.block_size = info.block_size
         self.num_kv_blocks = info.num_kv_blocks
         self.stream_interval = info.stream_interval
-        # The engine's KV tensor mapped here (prefill, decode), for the transfer backend.
-        self._kv_data = info.shared_kv.attach() if info.shared_kv is not None else None
+        # The engine's KV tensor mapped here (prefill, decode), for the transfer backend:
+        # its memfd follows "ready" on the socket (read before the reader thread starts).
+        self._kv_data = info.shared_kv.receive(self._conn.fileno()) if info.shared_kv is not None else None
         self._reader = threading.Thread(target=self._read, name="duet-engine-core-reader", daemon=True)
         self._reader.start()
         self._writer = threading.Thread(target=self._write, name="duet-engine-core-writer", daemon=True)

@@ -21,7 +21,8 @@ request_id, prompt_ids, first_token, sampling, block_ids, cache_salt, resume)` w
 `("move_out", call_id, request_ids)` (a draining decode replica; the reply is the
 `MovedSequence`s, sent before the step that ends their streams); `("abort", call_id,
 request_id)`; `("stop",)`.
-Child → parent: `("ready", EngineInfo, stats, external_kv_stats)` once, `("reply", call_id, ok, value)`,
+Child → parent: `("ready", EngineInfo, stats, external_kv_stats)` once (with a shared
+KV tensor, its memfd follows on the socket: `SharedKV.send`), `("reply", call_id, ok, value)`,
 `("step", outputs, stats, kv_events, exports, external_kv_stats)` (exports: a prefill
 engine's `ExportedKV`s of that step, for the replica to lease before it delivers the
 outputs; external_kv_stats: its LMCache tier's counters, or None without one),
@@ -275,6 +276,7 @@ def main(fd: int) -> int:
         from engine.config import EngineConfig
         from engine.core_share import CoreShare
         from engine.engine import Engine
+        from engine.kv_cache import SharedKV
 
         torch.set_num_threads(threads)
         cfg = EngineConfig.model_validate(engine_cfg)
@@ -288,6 +290,8 @@ def main(fd: int) -> int:
                                        engine.block_pool.num_blocks, engine.cfg.stream_interval, os.getpid(),
                                        engine.kv_cache.share()),
                    engine.stats(), external_kv.as_dict() if external_kv is not None else None))
+        if engine.kv_cache.memfd is not None:  # right behind "ready", before any other message
+            SharedKV.send(fd, engine.kv_cache.memfd)
         _Core(conn, engine, kv_events, external_kv, cores).run()
         return 0
     except BaseException as e:

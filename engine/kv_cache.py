@@ -8,13 +8,16 @@ through per-layer strided views and never copies the pool.
 A replica whose engine runs in a child process (engine/core_process.py) still
 registers this tensor with its transfer backend in its own process, so the child
 allocates it in shared memory (`shared=True`: an anonymous memfd, not /dev/shm,
-whose size a container caps) and the replica maps the same pages (`SharedKV.attach`).
+whose size a container caps), hands the memfd to the replica over their Unix socket
+(`SharedKV.send` / `SharedKV.receive`: SCM_RIGHTS, so neither /proc of another process
+nor a name in a shared file system is involved), and the replica maps the same pages.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -43,17 +46,30 @@ def num_blocks_for(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype) ->
 
 @dataclass(frozen=True)
 class SharedKV:
-    """Where another process of this host finds a KV tensor allocated with `shared=True`:
-    the owner's memfd, reached through /proc (same user)."""
+    """A KV tensor allocated with `shared=True`, as another process maps it: its shape
+    and dtype (this, pickled), and its memfd, passed beside over a Unix socket."""
 
-    pid: int
-    fd: int
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    def attach(self) -> torch.Tensor:
-        """The same pages, mapped into this process: writes on either side are seen by both."""
-        return _mapped(f"/proc/{self.pid}/fd/{self.fd}", self.shape, self.dtype)
+    @staticmethod
+    def send(sock_fd: int, memfd: int) -> None:
+        """Pass `memfd` over the connected Unix socket `sock_fd`: one byte, the
+        descriptor as ancillary data. Nothing else may be written to it meanwhile."""
+        with socket.socket(fileno=os.dup(sock_fd)) as sock:
+            socket.send_fds(sock, [b"k"], [memfd])
+
+    def receive(self, sock_fd: int) -> torch.Tensor:
+        """The descriptor `send` passed, read from `sock_fd` (nothing else may read it
+        meanwhile), and its pages mapped here: writes on either side are seen by both."""
+        with socket.socket(fileno=os.dup(sock_fd)) as sock:
+            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        if len(fds) != 1:
+            raise RuntimeError(f"expected the KV tensor's descriptor, got {len(fds)}")
+        try:
+            return _mapped(f"/proc/self/fd/{fds[0]}", self.shape, self.dtype)
+        finally:
+            os.close(fds[0])  # the mapping keeps the pages
 
 
 def _mapped(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -86,7 +102,12 @@ class KVCache:
         """How another process maps this tensor; None unless allocated `shared`."""
         if self._memfd is None:
             return None
-        return SharedKV(os.getpid(), self._memfd, tuple(self.data.shape), self.data.dtype)
+        return SharedKV(tuple(self.data.shape), self.data.dtype)
+
+    @property
+    def memfd(self) -> int | None:
+        """The shared-memory file the tensor lives in (`shared=True`), for `SharedKV.send`."""
+        return self._memfd
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block's KV, every layer: a forked sequence's
