@@ -34,8 +34,8 @@ share_kv, external_kv)`. `external_kv` (an `ExternalKVSpec`, or None) names the
 external KV cache (a prefill replica's LMCache tier) that the child builds around its
 KV tensor after the warm-up, attaches, and closes as it stops: the tier's reads and
 writes of the KV happen inside the engine's step, so the tier lives where the engine
-runs. With `share_kv` the KV tensor lives in shared memory and `EngineInfo`
-says where, so a prefill or decode replica registers it with NIXL (or gloo) in its own
+runs. With `share_kv` the KV tensor lives in shared memory, whose descriptor follows
+"ready" on the socket, so a prefill or decode replica registers it with NIXL (or gloo) in its own
 process: decode pulls straight into the pages this engine reads, and a decode replica
 pulls from the pages a prefill engine wrote. The
 child exits when the socket closes or its parent changes (the replica died): it is
@@ -122,7 +122,6 @@ class _Core:
             engine.on_export = self._exported
         self.parent = os.getppid()
         self.cores = cores
-        self.threads = torch.get_num_threads()
 
     def run(self) -> None:
         while True:
@@ -144,10 +143,10 @@ class _Core:
             if not busy and os.getppid() != self.parent:
                 return  # the replica is gone (its socket end may live on in a grandchild)
 
-    def _use_threads(self, n: int) -> None:
-        if n != self.threads:
+    @staticmethod
+    def _use_threads(n: int) -> None:
+        if n != torch.get_num_threads():
             torch.set_num_threads(n)
-            self.threads = n
 
     def _read_commands(self, timeout: float) -> bool:
         """Run every command that has arrived, waiting up to `timeout` for the first;
@@ -250,8 +249,13 @@ class _Core:
     def _send_step(self, outputs: list) -> None:
         events = self.engine.take_kv_events()
         exports, self.exports = self.exports, []
-        external = self.external_kv.as_dict() if self.external_kv is not None else None
-        self.conn.send(("step", outputs, self.engine.stats(), events if self.kv_events else [], exports, external))
+        self.conn.send(("step", outputs, self.engine.stats(), events if self.kv_events else [], exports,
+                        _counters(self.external_kv)))
+
+
+def _counters(external_kv: ManagedExternalKV | None) -> dict[str, Any] | None:
+    """The external KV cache's counters for a message; None without one."""
+    return external_kv.as_dict() if external_kv is not None else None
 
 
 def _portable(e: BaseException) -> BaseException:
@@ -289,7 +293,7 @@ def main(fd: int) -> int:
         conn.send(("ready", EngineInfo(engine.model_id, engine.model_fingerprint, engine.cfg.block_size,
                                        engine.block_pool.num_blocks, engine.cfg.stream_interval, os.getpid(),
                                        engine.kv_cache.share()),
-                   engine.stats(), external_kv.as_dict() if external_kv is not None else None))
+                   engine.stats(), _counters(external_kv)))
         if engine.kv_cache.memfd is not None:  # right behind "ready", before any other message
             SharedKV.send(fd, engine.kv_cache.memfd)
         _Core(conn, engine, kv_events, external_kv, cores).run()
