@@ -28,21 +28,13 @@ from engine.engine import Engine, MovedSequence
 from engine.external_kv import ExternalKVSpec, ManagedExternalKV
 from engine.kv_events import KVEvent
 from engine.replica_engine import pool_holds
-from engine.request import RequestOutput, ResumeState
+from engine.request import EngineDead, RequestFailed, RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 from engine.structured import GrammarMatcher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineDead(RuntimeError):
-    pass
-
-
-class RequestFailed(RuntimeError):
-    """One request failed inside the engine (the engine goes on serving the others)."""
 
 
 class AsyncEngine:

@@ -8,12 +8,14 @@ at construction, and name the offending field.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.speculative import SpeculativeConfig
+
+if TYPE_CHECKING:  # torch loads where an engine runs, not where a config is read (the gateway)
+    import torch
 
 Role = Literal["aggregated", "prefill", "decode"]
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
@@ -62,6 +64,8 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     (this project's machines) oneDNN's bf16 GEMM measured ~170 GFLOP/s against
     MKL's ~300 fp32 on the engine's shapes, and every engine benchmark point ran
     faster in fp32 (docs/benchmarks.md)."""
+    import torch
+
     if name == "auto":
         if device.startswith("cuda"):
             return torch.bfloat16
@@ -89,6 +93,8 @@ def _cpu_has_fast_bf16() -> bool:
 
 
 def resolve_device(name: str) -> str:
+    import torch
+
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():

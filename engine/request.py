@@ -5,13 +5,23 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.detokenizer import DetokenizerState
 from engine.hashing import BlockHash
 from engine.sampling_params import SamplingParams
 from engine.structured import GrammarMatcher
+
+if TYPE_CHECKING:
+    import torch
+
+
+class EngineDead(RuntimeError):
+    """The engine stopped (its thread or its child process): every request on it fails."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine (the engine goes on serving the others)."""
 
 
 class RequestStatus(enum.Enum):

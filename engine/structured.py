@@ -18,11 +18,11 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
 import llguidance
-import torch
 
 from engine.sampling_params import InvalidRequest
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is the engine's: the gateway validates grammars without it
+    import torch
     from llguidance._lib import JsonCompileOptions
 
 Kind = Literal["json_object", "json_schema", "regex", "choice", "lark"]
@@ -108,7 +108,7 @@ class GrammarMatcher:
         """Row i of `bitmask` for `matchers[i]`, filled on llguidance's own threads (a
         mask inside a JSON string takes up to ~1 ms a row on this CPU; the rows of one
         step are independent)."""
-        assert bitmask.is_contiguous() and bitmask.dtype == torch.int32
+        assert bitmask.is_contiguous() and str(bitmask.dtype) == "torch.int32"
         one = bitmask.shape[1] * bitmask.element_size()
         _executor().unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), one,
                                             bitmask.shape[0])
@@ -164,18 +164,26 @@ class Grammars:
 
 @lru_cache(maxsize=1)
 def _executor() -> llguidance.LLExecutor:
+    import torch
+
     return llguidance.LLExecutor(num_threads=max(1, min(4, torch.get_num_threads())))
 
 
-# Byte value -> what to add to its 8 tokens' logits (0 where the bit is set, -inf where
-# not). Adding it, one lookup per mask byte, measured 2.3 ms for 32 rows of a 49,152-token
-# vocabulary here, against 6.1 ms for shifting every bit out and filling.
-_BYTE_TO_BIAS = torch.where(((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
+@lru_cache(maxsize=1)
+def _byte_to_bias() -> torch.Tensor:
+    """Byte value -> what to add to its 8 tokens' logits (0 where the bit is set, -inf
+    where not). Adding it, one lookup per mask byte, measured 2.3 ms for 32 rows of a
+    49,152-token vocabulary here, against 6.1 ms for shifting every bit out and filling."""
+    import torch
+
+    return torch.where(((torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf, in place, every logit whose bit in `bitmask` is clear (rows match;
     bit b of word w is token 32 w + b, stored little-endian)."""
     vocab = logits.shape[1]
-    bias = _BYTE_TO_BIAS.to(logits.device, logits.dtype)[bitmask.view(torch.uint8).long().to(logits.device)]
+    import torch
+
+    bias = _byte_to_bias().to(logits.device, logits.dtype)[bitmask.view(torch.uint8).long().to(logits.device)]
     logits += bias.reshape(bitmask.shape[0], -1)[:, :vocab]

@@ -21,11 +21,11 @@ class Tokenizer:
     def __init__(self, ckpt: Checkpoint):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        from transformers import AutoTokenizer
-
         if ckpt.kind == "gguf":
             self.hf = _gguf_tokenizer(ckpt)
         else:
+            from transformers import AutoTokenizer
+
             self.hf = AutoTokenizer.from_pretrained(str(ckpt.path))
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
@@ -57,14 +57,23 @@ class Tokenizer:
 def _gguf_tokenizer(ckpt: Checkpoint):
     """From the converted copy (engine/model_cache.py) when there is one: rebuilding it
     from the GGUF's metadata takes ~5 s, reading the saved one ~0.2 s."""
+    return model_cache.load_or_convert(
+        ckpt.path, ckpt.model_id, "tokenizer", _read_converted, lambda: _convert(ckpt), _save_checked)
+
+
+def _convert(ckpt: Checkpoint):
     from transformers import AutoTokenizer
 
-    return model_cache.load_or_convert(
-        ckpt.path, ckpt.model_id, "tokenizer",
-        lambda part: AutoTokenizer.from_pretrained(str(part)),
-        lambda: AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name),
-        _save_checked,
-    )
+    return AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name)
+
+
+def _read_converted(directory: Path):
+    """The saved copy is a `tokenizer.json` (a fast tokenizer), read by its class.
+    `AutoTokenizer` would import transformers' model configs and, through them, torch:
+    ~1.7 s more per process, and a gateway needs no torch at all."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(directory))
 
 
 # Text whose ids must not change between the GGUF's tokenizer and its saved copy:
@@ -73,12 +82,11 @@ _PROBES = ("Hello, world!", " two  spaces\tand a tab\n", "émoji 😀 中文 ﬁ
 
 
 def _save_checked(hf, directory: Path) -> None:
-    """Save `hf` and read it back; a copy that tokenizes or templates differently is
-    refused (the model cache then keeps nothing and later starts convert again)."""
-    from transformers import AutoTokenizer
-
+    """Save `hf` and read it back as later starts will; a copy that tokenizes or
+    templates differently is refused (the model cache then keeps nothing and later
+    starts convert again)."""
     hf.save_pretrained(directory)
-    copy = AutoTokenizer.from_pretrained(str(directory))
+    copy = _read_converted(directory)
     for text in _PROBES:
         if copy.encode(text) != hf.encode(text):
             raise ValueError(f"the saved tokenizer encodes {text!r} differently")

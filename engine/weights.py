@@ -13,12 +13,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from engine import model_cache
 from engine.config import DEFAULT_MODEL, ConfigError, EngineConfig, ModelConfig
+
+if TYPE_CHECKING:  # loaded by the functions that make tensors: the gateway reads names only
+    import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_ID = "SmolLM2-135M-Instruct"
@@ -148,6 +151,7 @@ def _read_converted(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tenso
 def _dequantize_gguf(ckpt: Checkpoint) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The GGUF's config and its weights, dequantized to float32 in HF Llama naming."""
     import gguf
+    import torch
     from gguf.quants import dequantize
 
     reader = gguf.GGUFReader(str(ckpt.path))

@@ -65,6 +65,7 @@ def make_handle(
 ) -> KVHandle:
     """Describe a leased set of blocks for a decode replica; with the owner's
     `control_server`, the handle says where and how to end the lease."""
+    backend.expect_reads(lease.expiry - lease.granted_at)  # the lease's TTL, on the table's clock
     return KVHandle(
         request_id=lease.request_id,
         prefill_replica_id=prefill_replica_id,

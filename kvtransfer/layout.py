@@ -9,8 +9,10 @@ every field below matches; ``num_blocks`` may differ (pools are sized per replic
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

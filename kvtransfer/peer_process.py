@@ -7,6 +7,7 @@ its ``PeerInfo`` back over a pipe and serves until stopped or killed.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -49,6 +50,7 @@ def _serve(conn: Any, backend: str, spec: KVSpec, model_id: str, seed: int, back
     kv = spec.filled(seed)
     with make_backend(backend, "prefill", model_id, **backend_kw) as b:
         b.register(kv)
+        b.expect_reads(math.inf)  # it serves reads, unleased, until told to stop
         conn.send(b.peer_info())
         conn.recv()  # anything, or EOF when the parent dies: stop
 

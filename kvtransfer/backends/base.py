@@ -13,10 +13,12 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvtransfer.layout import LayoutFingerprint
+
+if TYPE_CHECKING:  # the backends hold tensors; the messages naming a peer need no torch
+    import torch
 
 
 class TransferError(RuntimeError):
@@ -167,6 +169,11 @@ class KVTransferBackend(ABC):
     def _pull(
         self, peer: PeerInfo, remote_block_ids: list[int], local_block_ids: list[int], timeout_s: float
     ) -> TransferStats: ...
+
+    def expect_reads(self, for_s: float) -> None:  # noqa: B027 - optional hook
+        """Peers may read this replica's registered KV for the next `for_s` seconds (a
+        lease is out, or a test peer serves). A backend whose target side must progress
+        one-sided reads (NIXL over TCP) does so promptly until then, and lazily after."""
 
     def forget_peer(self, peer_id: str) -> None:  # noqa: B027 - optional hook
         """Drop cached connection state for a peer (e.g. the router saw the replica die)."""

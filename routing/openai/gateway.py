@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -21,8 +22,6 @@ from ray import serve
 from autoscaling.config import SLOConfig
 from autoscaling.placement import DisaggregationConfig
 from autoscaling.signals import GatewaySignals
-from decode.aggregated import AggregatedServer
-from decode.server import DecodeServer
 from engine.config import EngineConfig
 from engine.tokenizer import load_tokenizer
 from engine.weights import served_model_name
@@ -66,6 +65,10 @@ from routing.router import view as router_view
 from telemetry import metrics, tracing
 from telemetry.config import TelemetryConfig
 from telemetry.tracing import Context
+
+if TYPE_CHECKING:  # imported where a colocated replica builds one: a gateway alone never loads torch
+    from decode.aggregated import AggregatedServer
+    from decode.server import DecodeServer
 
 log = logging.getLogger(__name__)
 
@@ -135,17 +138,21 @@ class Gateway:
                               "gateway" if colocated is None else f"gateway+{role}")
         # Built early: a replica whose engine cannot start fails before it takes traffic.
         self.local: AggregatedServer | DecodeServer | None = None
-        if colocated is not None:
-            self.local = AggregatedServer(**colocated) if role == "aggregated" else DecodeServer(**colocated)
+        self.local_decode: DecodeServer | None = None
         self.aggregated: pipeline.AggregatedPool | None = None
         self.decode: pipeline.DecodePools | None = None
-        if isinstance(self.local, AggregatedServer):
-            self.aggregated = self.local
+        if colocated is not None and role == "aggregated":
+            from decode import aggregated as aggregated_server  # here: a gateway alone never loads torch
+
+            self.local = self.aggregated = aggregated_server.AggregatedServer(**colocated)
         elif aggregated is not None:
             self.aggregated = pipeline.RemotePool(aggregated)
-        elif isinstance(self.local, DecodeServer):
+        elif colocated is not None:
+            from decode import server as decode_server
+
+            self.local = self.local_decode = decode_server.DecodeServer(**colocated)
             # What this replica's lost or draining engine leaves goes to the others.
-            self.decode = pipeline.DecodePools(self.local, pipeline.RemotePool(_own_deployment))
+            self.decode = pipeline.DecodePools(self.local_decode, pipeline.RemotePool(_own_deployment))
         else:
             self.decode = pipeline.DecodePools.one(pipeline.RemotePool(decode))
         self.model_name = served_model_name(self.engine_cfg)
@@ -227,9 +234,9 @@ class Gateway:
         """A colocated decode replica's `generate` (decode/server.py), for the other
         replicas of its deployment: a pass migrated off them, or a sequence one hands
         on as it drains."""
-        if not isinstance(self.local, DecodeServer):
+        if self.local_decode is None:
             raise RuntimeError("generate(): only a gateway colocated with a decode engine decodes")
-        async with contextlib.aclosing(self.local.generate(req)) as items:
+        async with contextlib.aclosing(self.local_decode.generate(req)) as items:
             async for item in items:
                 yield item
 

@@ -49,8 +49,7 @@ from ray.serve._private.utils import generate_request_id
 from ray.serve.context import _set_request_context
 
 from autoscaling.placement import ClusterView, DisaggregationConfig, Placement, Where, choose_placement
-from engine.async_engine import EngineDead
-from engine.request import FinishReason, RequestOutput
+from engine.request import EngineDead, FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.config import TransferConfig
 from kvtransfer.handoff import LeaseGuard

@@ -21,6 +21,10 @@ class InProcessBackend(KVTransferBackend):
     def __init__(self, replica_id, model_id):
         super().__init__(replica_id, model_id)
         self.fail = False
+        self.reads_expected: list[float] = []
+
+    def expect_reads(self, for_s):
+        self.reads_expected.append(for_s)
 
     def _register(self, kv):
         _REGISTRY[self.replica_id] = kv
@@ -65,8 +69,9 @@ def world():
 
 
 def test_export_then_pull_copies_and_release_frees(world):
-    clock, freed, _, pkv, decode, dkv, leases, handle = world
+    clock, freed, prefill, pkv, decode, dkv, leases, handle = world
     assert handle.lease_expiry == clock.now + 30 and handle.backend == "inproc"
+    assert prefill.reads_expected == [30]  # told, before the handle leaves, for the lease's TTL
     stats = pull_kv(decode, handle, [0, 1, 2], clock=clock)
     assert torch.equal(dkv[[0, 1, 2]], pkv[[7, 3, 11]])
     assert stats.bytes == 3 * decode.fingerprint.bytes_per_block
