@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvtransfer import control
 from kvtransfer.backends.base import KVTransferBackend, TransferError, TransferStats
@@ -34,6 +34,7 @@ from telemetry import metrics, tracing
 from telemetry.tracing import Span, SpanKind
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Stop pulling this long before the lease ends: the prefill may free (and the
 # engine reuse) the blocks the instant it expires, and clocks differ across hosts.
@@ -129,6 +130,9 @@ class KVExporter:
         self.replica_id = replica_id
         self.lease_ttl_s = lease_ttl_s
         self.leases = LeaseTable(free_blocks, default_ttl_s=lease_ttl_s)
+        # A lease's grant or end and what the backend is told of it, as one step: told
+        # out of order, a pump could idle while a new lease is being pulled.
+        self._reads_lock = threading.Lock()
         self.control = control.ControlServer(self._on_control, host=host)
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="lease-sweeper", daemon=True)
@@ -138,13 +142,16 @@ class KVExporter:
         """Pin a finished request's blocks; call it where the request finishes (the
         engine thread, or the engine core client's reader thread before it delivers
         the outputs), so no cancelled await can leave them unleased."""
-        return self.leases.grant(request_id, block_ids)
+        with self._reads_lock:
+            lease = self.leases.grant(request_id, block_ids)
+            self.backend.expect_reads(self.lease_ttl_s)
+        return lease
 
     def withdraw(self, request_id: str) -> bool:
         """End the lease of a request whose caller left before it got the handle (the
         engine may have finished and granted it just before): nobody can pull it."""
         lease = self.leases.lease_for(request_id)
-        return lease is not None and self.leases.reject(lease.lease_id)
+        return lease is not None and self._end(lambda: self.leases.reject(lease.lease_id))
 
     def handle_for(self, request_id: str, num_tokens: int) -> KVHandle:
         """The handle of a request whose blocks `grant` pinned."""
@@ -158,13 +165,21 @@ class KVExporter:
 
     def _on_control(self, msg: control.ControlMessage) -> None:
         if isinstance(msg, Release):
-            self.leases.release(msg.lease_id)
+            self._end(lambda: self.leases.release(msg.lease_id))
         else:
-            self.leases.reject(msg.lease_id)
+            self._end(lambda: self.leases.reject(msg.lease_id))
+
+    def _end(self, end: Callable[[], T]) -> T:
+        """Run `end` (a release, reject or expiry); tell the backend when no lease is left."""
+        with self._reads_lock:
+            ended = end()
+            if not len(self.leases):
+                self.backend.reads_ended()
+        return ended
 
     def _sweep(self) -> None:
         while not self._stop.wait(SWEEP_INTERVAL_S):
-            for lease in self.leases.expire():
+            for lease in self._end(self.leases.expire):
                 log.warning("lease %s of %s expired: blocks freed", lease.lease_id, lease.request_id)
 
     def stats(self) -> dict[str, int]:

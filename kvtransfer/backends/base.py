@@ -173,7 +173,11 @@ class KVTransferBackend(ABC):
     def expect_reads(self, for_s: float) -> None:  # noqa: B027 - optional hook
         """Peers may read this replica's registered KV for the next `for_s` seconds (a
         lease is out, or a test peer serves). A backend whose target side must progress
-        one-sided reads (NIXL over TCP) does so promptly until then, and lazily after."""
+        one-sided reads (NIXL over TCP) does so promptly until then, or until
+        `reads_ended`, and lazily otherwise."""
+
+    def reads_ended(self) -> None:  # noqa: B027 - optional hook
+        """No lease is out any more: nobody may read until the next `expect_reads`."""
 
     def forget_peer(self, peer_id: str) -> None:  # noqa: B027 - optional hook
         """Drop cached connection state for a peer (e.g. the router saw the replica die)."""

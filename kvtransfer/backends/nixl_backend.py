@@ -13,7 +13,8 @@ without it the first READ to a new peer never completes (UCX wire-up needs the
 target's answer), and UCX over TCP emulates READ with target-side messages. So every
 agent runs a pump thread that progresses the worker every ``progress_interval_s``
 (default 2 ms) while reads are expected, i.e. while a lease the replica granted may be
-pulled (``expect_reads``), and every ``idle_progress_interval_s`` (100 ms) otherwise.
+pulled (``expect_reads`` until ``reads_ended``), and every ``idle_progress_interval_s``
+(100 ms) otherwise.
 Pumping every 2 ms all the time cost an idle replica ~4% of a core and its event loop
 500 GIL hand-offs a second (measured). None turns the pump off.
 """
@@ -248,6 +249,9 @@ class NixlBackend(KVTransferBackend):
         if until > self._reads_until:
             self._reads_until = until
             self._wake.set()  # a pump asleep for its idle interval starts pumping now
+
+    def reads_ended(self) -> None:
+        self._reads_until = 0.0
 
     @property
     def pump_interval_s(self) -> float | None:

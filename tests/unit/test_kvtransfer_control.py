@@ -57,6 +57,18 @@ def test_an_authentic_release_ends_the_lease(exporter):
     assert exporter.stats()["control_accepted"] == 1
 
 
+def test_reads_are_expected_from_a_grant_until_the_last_lease_ends(exporter):
+    assert not exporter.backend.expecting
+    first, second = _live(exporter, "r1"), _live(exporter, "r2")
+    assert exporter.backend.expecting and exporter.backend.reads_expected[0] == 60
+    assert release_lease(first, timeout_s=5)
+    assert exporter.backend.expecting  # r2 may still be pulled
+    assert reject_lease(second, RejectReason.CLIENT_DISCONNECTED, timeout_s=5)
+    assert not exporter.backend.expecting
+    exporter.grant("r3", [5])
+    assert exporter.backend.expecting and exporter.withdraw("r3") and not exporter.backend.expecting
+
+
 def test_a_lease_whose_caller_left_is_withdrawn(exporter):
     # The engine granted it as the prefill call was cancelled: no handle ever left.
     exporter.grant("r1", [3, 4])

@@ -22,9 +22,14 @@ class InProcessBackend(KVTransferBackend):
         super().__init__(replica_id, model_id)
         self.fail = False
         self.reads_expected: list[float] = []
+        self.expecting = False  # between an expect_reads and a reads_ended
 
     def expect_reads(self, for_s):
         self.reads_expected.append(for_s)
+        self.expecting = True
+
+    def reads_ended(self):
+        self.expecting = False
 
     def _register(self, kv):
         _REGISTRY[self.replica_id] = kv
