@@ -25,6 +25,7 @@ BENCH_TARGETS: dict[str, str] = {
     "tracing": "bench.tracing",
     "autoscale": "bench.autoscale",
     "startup": "bench.startup",
+    "idle": "bench.idle",
     "grammar": "bench.grammar",
     "structured": "bench.structured",
     "speculative": "bench.speculative",

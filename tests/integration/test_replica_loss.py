@@ -117,7 +117,10 @@ def test_scaling_down_moves_the_stopped_replicas_sequences_with_their_kv(deploye
     started = [threading.Event(), threading.Event()]
 
     def client(i: int) -> None:
-        texts[i], _ = _stream(duet, lambda rid, n: started[i].set(), chat=LONG_CHAT)
+        # Started once its second chunk arrives: the first is prefill's token, and until
+        # decode's engine makes the second the sequence may still be importing its KV
+        # (under load, for seconds), which a draining replica finishes where it is.
+        texts[i], _ = _stream(duet, lambda rid, n: n >= 2 and started[i].set(), chat=LONG_CHAT)
 
     # One stream per decode replica: the router sends the second where nothing runs.
     threads = []

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 # The targets docs/benchmarks.md and the README name; none may go missing.
 DOCUMENTED = {"engine", "profile", "serve", "efficiency", "kv", "cluster", "routing", "tracing", "autoscale", "startup",
               "grammar", "structured", "speculative", "disaggregation", "choices", "phases", "move",
-              "packing"}
+              "packing", "idle"}
 
 
 def test_each_target_is_the_bench_module_of_its_name():
