@@ -29,6 +29,7 @@ from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags
 from cluster import serve_cli
 from cluster.config import load_config
+from engine.weights import served_model_name
 
 
 def _kind(p: psutil.Process) -> str | None:
@@ -100,10 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, overrides=overrides)
     url = serve_cli.start(cfg)
     try:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
-            model = json.loads(resp.read())["data"][0]["id"]
         for _ in range(args.requests):
-            _complete(url, model)
+            _complete(url, served_model_name(cfg.engine))
         time.sleep(args.settle_s)
         shares = measure(args.seconds)
     finally:

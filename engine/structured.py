@@ -108,7 +108,9 @@ class GrammarMatcher:
         """Row i of `bitmask` for `matchers[i]`, filled on llguidance's own threads (a
         mask inside a JSON string takes up to ~1 ms a row on this CPU; the rows of one
         step are independent)."""
-        assert bitmask.is_contiguous() and str(bitmask.dtype) == "torch.int32"
+        import torch
+
+        assert bitmask.is_contiguous() and bitmask.dtype == torch.int32
         one = bitmask.shape[1] * bitmask.element_size()
         _executor().unsafe_compute_mask_ptr([(m._m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), one,
                                             bitmask.shape[0])

@@ -66,7 +66,6 @@ def make_handle(
 ) -> KVHandle:
     """Describe a leased set of blocks for a decode replica; with the owner's
     `control_server`, the handle says where and how to end the lease."""
-    backend.expect_reads(lease.expiry - lease.granted_at)  # the lease's TTL, on the table's clock
     return KVHandle(
         request_id=lease.request_id,
         prefill_replica_id=prefill_replica_id,
@@ -99,6 +98,7 @@ def export_kv(
     Release, Reject or expiry (see ``kvtransfer.lease``).
     """
     lease = leases.grant(request_id, block_ids, ttl_s)
+    backend.expect_reads(lease.expiry - lease.granted_at)  # the lease's TTL, on the table's clock
     try:
         return make_handle(
             backend, lease, prefill_replica_id=prefill_replica_id, num_tokens=num_tokens,
