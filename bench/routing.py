@@ -169,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import REPLICA_ENV, build_app
+    from cluster.app import REPLICA_ENV, SERVE_ENV, build_app
     from cluster.config import ClusterConfig
     from cluster.serve_cli import wait_ready
 
-    os.environ.update(REPLICA_ENV)
+    os.environ.update({k: v for k, v in REPLICA_ENV.items() if k not in SERVE_ENV})  # this driver calls handles
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": REPLICA_ENV})
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})

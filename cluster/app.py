@@ -18,10 +18,20 @@ from prefill.server import PrefillServer
 from routing.openai.access import KEYS_ENV
 from routing.openai.gateway import Gateway
 
+# Ray Serve's own cost per request on few cores: a replica runs its user code, and a
+# handle its router, on the replica's event loop rather than on threads of their own
+# (two of the settings RAY_SERVE_THROUGHPUT_OPTIMIZED makes, without its direct ingress),
+# and Serve flushes its cached metrics every second rather than every 0.1 s. On the
+# chaos soak this cut the cluster's CPU by a tenth and the soak's time by a sixth
+# (docs/benchmarks.md, "Serve's event loops"). Serve reads them when its modules are
+# imported, so they travel in a process's environment. A driver that calls a handle
+# outside an event loop must not take them: its router would have no loop to run on.
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+             "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 # Every replica computes block hashes and LMCache keys the same way (PYTHONHASHSEED);
 # LMCache would log every chunk it stores at INFO, a line per prompt per replica.
 REPLICA_ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-               "LMCACHE_LOG_LEVEL": "WARNING"}
+               "LMCACHE_LOG_LEVEL": "WARNING", **SERVE_ENV}
 
 
 def _options(name: str, pool: PoolConfig, drain_at_least_s: float = 0.0) -> dict:
