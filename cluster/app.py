@@ -28,10 +28,14 @@ from routing.openai.gateway import Gateway
 # outside an event loop must not take them: its router would have no loop to run on.
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
              "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+# Ray starts its workers at nice 15, to keep its own daemons responsive when tasks fill
+# the CPU. A replica and its engine core are a node's main work: at nice 15 any ordinary
+# process on the node (a sidecar, a log shipper, a neighbour's busy loop) takes ~97% of
+# a core they share. Ray's job supervisor opts out the same way.
 # Every replica computes block hashes and LMCache keys the same way (PYTHONHASHSEED);
 # LMCache would log every chunk it stores at INFO, a line per prompt per replica.
 REPLICA_ENV = {"PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-               "LMCACHE_LOG_LEVEL": "WARNING", **SERVE_ENV}
+               "LMCACHE_LOG_LEVEL": "WARNING", "RAY_worker_niceness": "0", **SERVE_ENV}
 
 
 def _options(name: str, pool: PoolConfig, drain_at_least_s: float = 0.0) -> dict:

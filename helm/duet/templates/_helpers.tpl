@@ -158,7 +158,7 @@ serve_config() builds it; tests/unit/test_helm_chart.py holds the two equal.
   "route_prefix" "/"
   "import_path" "cluster.serve_config:build"
   "args" (dict "config" $config)
-  "runtime_env" (dict "env_vars" (dict "PYTHONHASHSEED" "0" "HF_HUB_OFFLINE" "1" "TRANSFORMERS_VERBOSITY" "error" "LMCACHE_LOG_LEVEL" "WARNING" "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" "0" "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP" "0" "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS" "1000"))
+  "runtime_env" (dict "env_vars" (dict "PYTHONHASHSEED" "0" "HF_HUB_OFFLINE" "1" "TRANSFORMERS_VERBOSITY" "error" "LMCACHE_LOG_LEVEL" "WARNING" "RAY_worker_niceness" "0" "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" "0" "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP" "0" "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS" "1000"))
   "logging_config" (dict "log_level" "WARNING" "enable_access_log" false) }}
 {{- if $sizes }}
 {{- $_ := set $app "deployments" $sizes }}
