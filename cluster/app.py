@@ -22,7 +22,7 @@ from routing.openai.gateway import Gateway
 # handle its router, on the replica's event loop rather than on threads of their own
 # (two of the settings RAY_SERVE_THROUGHPUT_OPTIMIZED makes, without its direct ingress),
 # and Serve flushes its cached metrics every second rather than every 0.1 s. On the
-# chaos soak this cut the cluster's CPU by a tenth and the soak's time by a sixth
+# chaos soak this cut the cluster's CPU by 6-9% and the soak's time by 6-18%
 # (docs/benchmarks.md, "Serve's event loops"). Serve reads them when its modules are
 # imported, so they travel in a process's environment. A driver that calls a handle
 # outside an event loop must not take them: its router would have no loop to run on.
