@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Run the whole suite: lint and types, unit (no Ray), then integration and e2e (local Ray,
-# real servers), then multinode (Ray nodes in network namespaces). Each stage prints
-# its wall time, so where the suite's time goes is in every CI log.
+# Run the whole suite: lint and types, then integration (local Ray, real servers) with
+# unit (no Ray), multinode (Ray nodes in network namespaces) and e2e (`duet serve`) beside
+# it. Each stage prints its wall time, so where the suite's time goes is in every CI log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${DUET_VENV:-.venv}
@@ -18,18 +18,20 @@ echo "test.sh: $(nproc) cores; CPU $(grep -m1 'model name' /proc/cpuinfo 2>/dev/
      "flags: $(grep -m1 -o -w -E 'avx2|avx512f|avx512_vnni|avx512_bf16|amx_tile' /proc/cpuinfo 2>/dev/null | tr '\n' ' ')" || true
 stage lint bash scripts/lint.sh
 if [ -x scripts/redis.sh ]; then bash scripts/redis.sh start || echo "redis unavailable: its tests will skip"; fi
-# Two workers: unit tests run torch on one thread (tests/unit/conftest.py), so one
-# process leaves a core idle.
-stage unit "$VENV/bin/python" -m pytest -m unit -q -p no:cacheprovider -n 2 --durations=8
 # Separate invocations: the integration session owns one Ray cluster until it ends;
 # multinode (three Ray nodes in network namespaces; root, skipped without) and e2e
 # (`duet serve`, which brings up and tears down a Ray of its own) each start their own.
-# Integration leaves a fifth of both cores idle (lease TTLs, replica restarts,
-# autoscaler windows), so the other two run beside it, one after the other (two more
-# clusters at once would not fit in memory): multinode's nodes, ports, Redis and
-# processes are all its own, and e2e runs in a network namespace with only a loopback
-# of its own (root; without one it runs after integration). Their log is printed when
-# they end.
+# Integration alone keeps fewer than two threads runnable most of the time (one engine
+# step at a time per request's path; lease TTLs, replica restarts and autoscaler
+# windows idle), so the other stages run beside it, one after the other: unit (no Ray;
+# two workers, torch on one thread each: tests/unit/conftest.py), then multinode, then
+# e2e. Two more clusters at once would not fit in memory. Multinode's nodes, ports,
+# Redis and processes are all its own, and e2e runs in a network namespace with only a
+# loopback of its own (root; without one it runs after integration). On a machine shared
+# with a busy process, the scheduler gives the suite a share of that process's core only
+# while three or more of the suite's threads are runnable: a stage run alone would get
+# one core. Their log is printed when they end.
+unit() { "$VENV/bin/python" -m pytest -m unit -q -p no:cacheprovider -n 2 --durations=8 tests/unit; }
 E2E_NS=duet-e2e-$$
 e2e_netns_up() {
     [ "$(id -u)" = 0 ] && command -v ip >/dev/null || return 1
@@ -44,6 +46,7 @@ e2e_beside=0
 if e2e_netns_up; then e2e_beside=1; else e2e_netns_down; fi
 beside() {
     local rc=0
+    stage unit unit || rc=1
     stage multinode "$VENV/bin/python" -m pytest -m multinode -q -p no:cacheprovider --durations=5 tests/multinode \
         || rc=1
     if [ "$e2e_beside" = 1 ]; then stage e2e e2e ip netns exec "$E2E_NS" || rc=1; fi
@@ -64,7 +67,7 @@ echo "test.sh: ---- the log of what ran beside integration ----"
 cat "$beside_log"
 rm -f "$beside_log"
 if [ "$integration_rc" != 0 ] || [ "$beside_rc" != 0 ]; then
-    echo "test.sh: integration exit $integration_rc; multinode or e2e failed: $beside_rc" >&2
+    echo "test.sh: integration exit $integration_rc; unit, multinode or e2e failed: $beside_rc" >&2
     exit 1
 fi
 if [ "$e2e_beside" = 0 ]; then stage e2e e2e; fi
