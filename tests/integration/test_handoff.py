@@ -128,9 +128,16 @@ def test_decode_rejects_when_full_and_prefill_frees_at_once(duet, stream):
     wait_for(lease_ended, timeout=60, what="prefill's lease to end")
     wait_idle(duet)
     p, d = duet.stats("prefill"), duet.stats("decode")
-    assert p["leases_rejected"] == p0["leases_rejected"] + 1, "decode's Reject did not end the lease"
-    assert p["leases_expired"] == p0["leases_expired"], "the lease ran to its TTL: the Reject came too late"
+    # On a loaded machine a first lease (3 s here) may near its end before decode checks
+    # it: decode refuses it (an import failure, which rejects it or finds it expired) and
+    # the gateway prefills again. Exactly one lease was refused for want of blocks, and
+    # it was rejected: only a failed pass's lease may have run to its TTL.
     assert d["import_rejects"] == d0["import_rejects"] + 1
+    failed = d["import_failures"] - d0["import_failures"]
+    rejected = p["leases_rejected"] - p0["leases_rejected"]
+    expired = p["leases_expired"] - p0["leases_expired"]
+    assert rejected + expired == 1 + failed, (rejected, expired, failed)
+    assert expired <= failed, "the lease refused for want of blocks ran to its TTL: the Reject came too late"
     assert d["transfer_count"] == d0["transfer_count"]
 
     # A prompt that fits the decode pool is still served.
