@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from cpu_meter import TreeCPU
 from duet_cluster import (
     CLUSTERS,
     OTLP_PORT,
@@ -39,17 +40,24 @@ def _cluster_name(item) -> str | None:
 
 # Where the session's time goes, per cluster config (its tests' setup, call and
 # teardown, its deploys included), printed at the end: the suite's budget is spent here.
+# Wall seconds, and the CPU seconds of this process and all it started (cpu_meter.py):
+# a config's CPU is what it costs when the machine is shared.
 _SECONDS: dict[str, float] = {}
+_CPU: dict[str, float] = {}
 _TESTS: dict[str, int] = {}
 _DEPLOYERS: list[Deployer] = []
+_METER: list[TreeCPU] = []  # started with the first test
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    started = time.monotonic()
+    if not _METER:
+        _METER.append(TreeCPU())
+    started, cpu = time.monotonic(), _METER[0].seconds()
     yield
     name = _cluster_name(item) or "(none)"
     _SECONDS[name] = _SECONDS.get(name, 0.0) + time.monotonic() - started
+    _CPU[name] = _CPU.get(name, 0.0) + _METER[0].seconds() - cpu
     _TESTS[name] = _TESTS.get(name, 0) + 1
 
 
@@ -61,10 +69,13 @@ def pytest_terminal_summary(terminalreporter):
         for name, seconds in deployer.deploys:
             deploys.setdefault(name, []).append(seconds)
     terminalreporter.section("seconds per cluster config")
-    terminalreporter.line(f"{'config':<14}{'tests':>6}{'total s':>9}{'deploys s':>11}")
+    terminalreporter.line(f"{'config':<14}{'tests':>6}{'total s':>9}{'CPU s':>8}{'deploys s':>14}")
     for name, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1]):
         spent = " + ".join(f"{d:.0f}" for d in deploys.get(name, [])) or "-"
-        terminalreporter.line(f"{name:<14}{_TESTS[name]:>6}{seconds:>9.0f}{spent:>11}")
+        terminalreporter.line(f"{name:<14}{_TESTS[name]:>6}{seconds:>9.0f}{_CPU[name]:>8.0f}{spent:>14}")
+    wall, cpu = sum(_SECONDS.values()), sum(_CPU.values())
+    terminalreporter.line(f"{'all':<14}{sum(_TESTS.values()):>6}{wall:>9.0f}{cpu:>8.0f}"
+                          f"   ({cpu / wall:.2f} cores on average)")
 
 
 def pytest_collection_modifyitems(session, config, items):
