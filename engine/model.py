@@ -68,13 +68,15 @@ class LlamaModel:
         # The products run on torch's intra-op threads, set before the model loads.
         keep_dense = keeps_dense_copy(torch.get_num_threads())
 
-        def linear(w_in_out: torch.Tensor) -> Linear:  # as is, int8 or packed: engine/quant.py
+        def linear(w_out_in: torch.Tensor) -> Linear:  # plain [in, out], int8 or packed: engine/quant.py
             if packed_weights:
-                return PackedWeight.pack(w_in_out, keep_dense)
-            return maybe_quantize(w_in_out, weight_quant, dtype)
+                return PackedWeight.pack_out_in(w_out_in, keep_dense)
+            return maybe_quantize(w_out_in.t().contiguous(), weight_quant, dtype)
 
-        def take_t(*names: str) -> Linear:  # fused along `out`, stored [in, out]
-            return linear(torch.cat([state.pop(n) for n in names]).to(device=device, dtype=dtype).t().contiguous())
+        def take_t(*names: str) -> Linear:  # fused along `out`, as the checkpoint stores them: [out, in]
+            parts = [state.pop(n) for n in names]
+            fused = torch.cat(parts) if len(parts) > 1 else parts[0]  # cat copies even one tensor
+            return linear(fused.to(device=device, dtype=dtype))
 
         self.embed = take("model.embed_tokens.weight")
         self.layers = []
@@ -92,7 +94,7 @@ class LlamaModel:
             )
         self.norm = take("model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-            self.lm_head = linear(self.embed.t().contiguous())  # a transposed copy
+            self.lm_head = linear(self.embed)  # [vocab, hidden]: [out, in]; the product makes its own copy
         else:
             self.lm_head = take_t("lm_head.weight")
         # cos/sin for every position, computed once (fp32 math, as HF, then cast).

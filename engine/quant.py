@@ -83,8 +83,15 @@ class PackedWeight:
 
     @classmethod
     def pack(cls, w_in_out: torch.Tensor, keep_dense: bool = True) -> PackedWeight:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w_in_out.t().contiguous(), None)
-        return cls(packed, w_in_out if keep_dense else None)
+        return cls.pack_out_in(w_in_out.t(), keep_dense)  # a contiguous [in, out] is kept as it is
+
+    @classmethod
+    def pack_out_in(cls, w_out_in: torch.Tensor, keep_dense: bool = True) -> PackedWeight:
+        """The same from the `[out, in]` weight a checkpoint stores: oneDNN packs that
+        layout, so only the plain copy, where kept, costs a transpose (a model load does
+        one copy per weight instead of two, or none on two threads)."""
+        packed = torch.ops.mkldnn._reorder_linear_weight(w_out_in.contiguous(), None)
+        return cls(packed, w_out_in.t().contiguous() if keep_dense else None)
 
     def packed_product(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ w` for 2-D `x` through the packed copy, whatever its row count."""
