@@ -76,6 +76,9 @@ def pytest_terminal_summary(terminalreporter):
     wall, cpu = sum(_SECONDS.values()), sum(_CPU.values())
     terminalreporter.line(f"{'all':<14}{sum(_TESTS.values()):>6}{wall:>9.0f}{cpu:>8.0f}"
                           f"   ({cpu / wall:.2f} cores on average)")
+    terminalreporter.section("CPU seconds per kind of process (the top 12)")
+    for kind, seconds in _METER[0].by_kind().most_common(12):
+        terminalreporter.line(f"{seconds:>8.0f}  {kind}")
 
 
 def pytest_collection_modifyitems(session, config, items):
