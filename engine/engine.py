@@ -131,7 +131,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    proposer.propose if proposer is not None else None)
         self.sampler = Sampler()
-        self.grammars = Grammars(self.tokenizer.hf, model_cfg.vocab_size)
+        self.grammars = Grammars(self.tokenizer, model_cfg.vocab_size)
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._exports: dict[str, ExportedKV] = {}
         # Called on the engine thread the moment a prefill-role request finishes, so the

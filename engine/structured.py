@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # torch is the engine's: the gateway validates grammars witho
     import torch
     from llguidance._lib import JsonCompileOptions
 
+    from engine.tokenizer import Tokenizer
+
 Kind = Literal["json_object", "json_schema", "regex", "choice", "lark"]
 
 # Compact, deterministic JSON: a small model given free whitespace can spend its whole
@@ -140,8 +142,8 @@ class Grammars:
     """One engine's grammar compiler: the tokenizer's llguidance view, built once (~0.4 s)
     on the first structured request."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int) -> None:
-        self._hf = hf_tokenizer
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer_source = tokenizer  # its `hf` imports transformers: read it on first use
         self.vocab_size = vocab_size
         self._tokenizer: llguidance.LLTokenizer | None = None
 
@@ -154,7 +156,7 @@ class Grammars:
             # unit tests) need not pay.
             from llguidance.hf import from_tokenizer
 
-            self._tokenizer = from_tokenizer(self._hf, n_vocab=self.vocab_size)
+            self._tokenizer = from_tokenizer(self._tokenizer_source.hf, n_vocab=self.vocab_size)
         m = llguidance.LLMatcher(self._tokenizer, spec.grammar())
         if m.is_error():
             raise InvalidRequest(spec.param, m.get_error())

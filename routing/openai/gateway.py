@@ -158,6 +158,7 @@ class Gateway:
         self.model_name = served_model_name(self.engine_cfg)
         self.max_model_len = self.engine_cfg.max_model_len
         self.tokenizer = load_tokenizer(self.engine_cfg.model)
+        _ = self.tokenizer.hf  # chat templates render through transformers: load it now, not on a request
         self.chat_template = Path(self.cfg.chat_template).read_text() if self.cfg.chat_template else None
         self.tool_format = tool_format(self.chat_template or self.tokenizer.chat_template, self.cfg.tool_format)
         self.prefill = prefill

@@ -4,6 +4,8 @@ bit for bit, and its writes are atomic, keyed by the file, and optional."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ import torch
 from engine import model_cache
 from engine.tokenizer import Tokenizer
 from engine.weights import load_checkpoint, resolve_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -54,11 +58,33 @@ def test_tokenizer_from_the_converted_copy_tokenizes_as_the_gguf(cache, ckpt):
         assert from_copy.encode(text) == from_gguf.encode(text)
         assert from_copy.encode(text, add_special_tokens=True) == from_gguf.encode(text, add_special_tokens=True)
     ids = list(range(0, from_gguf.vocab_size, 97)) + [0, 1, 2]
-    assert from_copy.decode(ids) == from_gguf.decode(ids)
+    for skip in (True, False):
+        assert from_copy.decode(ids, skip_special_tokens=skip) == from_gguf.decode(ids, skip_special_tokens=skip)
     assert from_copy.convert_ids_to_tokens(ids) == from_gguf.convert_ids_to_tokens(ids)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert from_copy.apply_chat_template(messages) == from_gguf.apply_chat_template(messages)
     assert (from_copy.eos_token_id, from_copy.vocab_size) == (from_gguf.eos_token_id, from_gguf.vocab_size)
+
+
+PROGRAM = """
+import sys
+from engine.tokenizer import Tokenizer
+from engine.weights import resolve_checkpoint
+tok = Tokenizer(resolve_checkpoint("smollm2-135m"))
+assert tok.decode(tok.encode("Hello, world!")) == "Hello, world!" and tok.eos_token_id is not None
+assert tok.chat_template
+print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
+"""
+
+
+def test_the_converted_copy_tokenizes_without_transformers(cache, ckpt):
+    # An engine core loads a tokenizer to detokenize; importing transformers would cost
+    # it ~0.75 s of CPU at every start. Only a chat template or a grammar loads it.
+    Tokenizer(ckpt)  # converts, with transformers, in this process
+    out = subprocess.run([sys.executable, "-c", PROGRAM], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, model_cache.CACHE_ENV: str(cache)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
 
 
 def _write(text: str):
