@@ -29,6 +29,18 @@ from duet_cluster import (
 from telemetry.otlp_sink import OTLPSink
 
 
+NO_CONFIG = "none"  # in --configs / --skip-configs: the tests that deploy no cluster config
+
+
+def pytest_addoption(parser):
+    # scripts/test.sh splits the session in two (each part its own Ray cluster) to run
+    # one part beside the other stages.
+    group = parser.getgroup("duet")
+    group.addoption("--configs", default="", help="run only the tests of these cluster configs "
+                    f"(comma-separated names from duet_cluster.CLUSTERS; '{NO_CONFIG}': tests without one)")
+    group.addoption("--skip-configs", default="", help="leave out the tests of these cluster configs")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cluster(name): the duet cluster config a test runs against")
 
@@ -77,11 +89,30 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.line(f"{'all':<14}{sum(_TESTS.values()):>6}{wall:>9.0f}{cpu:>8.0f}"
                           f"   ({cpu / wall:.2f} cores on average)")
     terminalreporter.section("CPU seconds per kind of process (the top 12)")
-    for kind, seconds in _METER[0].by_kind().most_common(12):
-        terminalreporter.line(f"{seconds:>8.0f}  {kind}")
+    for kind, seconds, processes in _METER[0].by_kind()[:12]:
+        terminalreporter.line(f"{seconds:>8.0f}  {kind} ({processes} processes)")
+
+
+def _config_names(config, option: str) -> set[str] | None:
+    value = config.getoption(option)
+    if not value:
+        return None
+    names = {n.strip() for n in value.split(",") if n.strip()}
+    unknown = names - {*CLUSTERS, NO_CONFIG}
+    if unknown:
+        raise pytest.UsageError(f"{option}: no cluster config named {', '.join(sorted(unknown))}")
+    return names
 
 
 def pytest_collection_modifyitems(session, config, items):
+    only, skip = _config_names(config, "--configs"), _config_names(config, "--skip-configs")
+    if only is not None or skip is not None:
+        def chosen(it) -> bool:
+            name = _cluster_name(it) or NO_CONFIG
+            return (only is None or name in only) and (skip is None or name not in skip)
+
+        config.hook.pytest_deselected(items=[it for it in items if not chosen(it)])
+        items[:] = [it for it in items if chosen(it)]
     order = {name: i for i, name in enumerate(CLUSTERS)}
     # Stable: tests without a cluster first, then grouped by config, file order kept.
     items.sort(key=lambda it: -1 if _cluster_name(it) is None else order[_cluster_name(it)])

@@ -61,14 +61,17 @@ class TreeCPU:
         with self._lock:
             return sum(self._last.values())
 
-    def by_kind(self) -> Counter[str]:
-        """CPU seconds so far per kind of process."""
+    def by_kind(self) -> list[tuple[str, float, int]]:
+        """(kind, CPU seconds, processes) so far, the most CPU first."""
         self._sample()
         totals: Counter[str] = Counter()
+        counts: Counter[str] = Counter()
         with self._lock:
             for key, seconds in self._last.items():
-                totals[self._kind.get(key, "?")] += seconds
-        return totals
+                kind = self._kind.get(key, "?")
+                totals[kind] += seconds
+                counts[kind] += 1
+        return [(kind, seconds, counts[kind]) for kind, seconds in totals.most_common()]
 
 
 def process_kind(cmdline: list[str]) -> str:
