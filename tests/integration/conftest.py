@@ -28,7 +28,6 @@ from duet_cluster import (
 
 from telemetry.otlp_sink import OTLPSink
 
-
 NO_CONFIG = "none"  # in --configs / --skip-configs: the tests that deploy no cluster config
 
 
