@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole suite: lint and types, then integration (local Ray, real servers) with
-# unit (no Ray), multinode (Ray nodes in network namespaces) and e2e (`duet serve`) beside
-# it. Each stage prints its wall time, so where the suite's time goes is in every CI log.
+# unit (no Ray), multinode (Ray nodes in network namespaces), e2e (`duet serve`) and the
+# rest of integration beside it. Each stage prints its wall time, so where the suite's time goes is in every CI log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${DUET_VENV:-.venv}
@@ -25,9 +25,11 @@ if [ -x scripts/redis.sh ]; then bash scripts/redis.sh start || echo "redis unav
 # step at a time per request's path; lease TTLs, replica restarts and autoscaler
 # windows idle), so the other stages run beside it, one after the other: unit (no Ray;
 # two workers, torch on one thread each: tests/unit/conftest.py), then multinode, then
-# e2e. Two more clusters at once would not fit in memory. Multinode's nodes, ports,
-# Redis and processes are all its own, and e2e runs in a network namespace with only a
-# loopback of its own (root; without one it runs after integration). On a machine shared
+# e2e, then the late part of integration (a few configs on a Ray cluster of their own,
+# in e2e's namespace), so that both lanes end about together. Two more clusters at once
+# would not fit in memory. Multinode's nodes, ports, Redis and processes are all its
+# own, and e2e and the late part run in a network namespace with only a loopback of its
+# own (root; without one, e2e runs after integration and integration is whole). On a machine shared
 # with a busy process, the scheduler gives the suite a share of that process's core only
 # while three or more of the suite's threads are runnable: a stage run alone would get
 # one core. Their log is printed when they end.
@@ -40,6 +42,15 @@ e2e_netns_up() {
     mkdir -p "/etc/netns/$E2E_NS" && echo "nameserver 127.0.0.1" >"/etc/netns/$E2E_NS/resolv.conf"
 }
 e2e_netns_down() { ip netns del "$E2E_NS" 2>/dev/null || true; rm -rf "/etc/netns/$E2E_NS"; }
+integration() {
+    "$VENV/bin/python" -m pytest -m integration -q -p no:cacheprovider --durations=12 tests/integration "$@"
+}
+# The integration configs that run beside the rest, in e2e's network namespace once e2e
+# has ended, on a Ray cluster of their own: the lane beside integration ends minutes
+# before it otherwise (docs/testing.md). Ports, Redis and processes are the namespace's.
+LATE_CONFIGS=tiers,tiers-disk,secure
+late_integration() { "$@" "$VENV/bin/python" -m pytest -m integration -q -p no:cacheprovider --durations=5 \
+    tests/integration --configs "$LATE_CONFIGS"; }
 e2e() { "$@" "$VENV/bin/python" -m pytest -m e2e -q -p no:cacheprovider --durations=5 tests/e2e; }
 kill_tree() { local child; for child in $(pgrep -P "$1"); do kill_tree "$child"; done; kill -TERM "$1" 2>/dev/null || true; }
 e2e_beside=0
@@ -49,7 +60,10 @@ beside() {
     stage unit unit || rc=1
     stage multinode "$VENV/bin/python" -m pytest -m multinode -q -p no:cacheprovider --durations=5 tests/multinode \
         || rc=1
-    if [ "$e2e_beside" = 1 ]; then stage e2e e2e ip netns exec "$E2E_NS" || rc=1; fi
+    if [ "$e2e_beside" = 1 ]; then
+        stage e2e e2e ip netns exec "$E2E_NS" || rc=1
+        stage "integration (late part)" late_integration ip netns exec "$E2E_NS" || rc=1
+    fi
     return $rc
 }
 beside_log=$(mktemp)
@@ -57,8 +71,11 @@ beside >"$beside_log" 2>&1 &
 beside_pid=$!
 trap 'kill_tree "$beside_pid"; e2e_netns_down' EXIT  # this script stopped early: stop them too
 integration_rc=0
-stage integration "$VENV/bin/python" -m pytest -m integration -q -p no:cacheprovider --durations=12 tests/integration \
-    || integration_rc=$?
+if [ "$e2e_beside" = 1 ]; then
+    stage integration integration --skip-configs "$LATE_CONFIGS" || integration_rc=$?
+else
+    stage integration integration || integration_rc=$?
+fi
 beside_rc=0
 wait "$beside_pid" || beside_rc=$?
 trap - EXIT
@@ -67,7 +84,7 @@ echo "test.sh: ---- the log of what ran beside integration ----"
 cat "$beside_log"
 rm -f "$beside_log"
 if [ "$integration_rc" != 0 ] || [ "$beside_rc" != 0 ]; then
-    echo "test.sh: integration exit $integration_rc; unit, multinode or e2e failed: $beside_rc" >&2
+    echo "test.sh: integration exit $integration_rc; unit, multinode, e2e or integration's late part failed: $beside_rc" >&2
     exit 1
 fi
 if [ "$e2e_beside" = 0 ]; then stage e2e e2e; fi
