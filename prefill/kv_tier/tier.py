@@ -50,6 +50,11 @@ class KVTier:
         block_size = kv.shape[3]
         check_chunk_size(config.chunk_size, block_size)
         os.environ.setdefault("PYTHONHASHSEED", "0")
+        # LMCache reports usage to its project's server by default, from a thread each
+        # engine starts (which also runs py-cpuinfo in a subprocess): a serving cluster
+        # sends nothing out unless its operator asks (LMCACHE_TRACK_USAGE=true), as
+        # with Ray's usage stats.
+        os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata

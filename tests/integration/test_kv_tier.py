@@ -68,6 +68,15 @@ def test_cpu_tier_roundtrip_bytes_identical(dtype):
         assert tier.lookup(list(range(7, 7 + 64))) == 0  # other tokens: miss
 
 
+def test_the_tier_sends_no_usage_report_unless_asked(monkeypatch):
+    # LMCache's usage telemetry is on unless turned off; an operator's setting is kept.
+    from lmcache.usage_telemetry import is_usage_tracking_enabled
+
+    monkeypatch.delenv("LMCACHE_TRACK_USAGE", raising=False)
+    with KVTier(KVTierConfig(cpu_bytes=64 << 20, chunk_size=CHUNK), make_kv(), FP):
+        assert not is_usage_tracking_enabled()
+
+
 def test_unaligned_retrieve_falls_back_to_slot_copy():
     # A block table whose prefix is shared with another request: still exact.
     kv = make_kv()
