@@ -53,7 +53,8 @@ class TreeCPU:
                 continue
         with self._lock:
             self._last.update(seen)
-            self._kind.update(kinds)
+            # An ended process (a zombie) has no command line: keep the kind it had.
+            self._kind.update((key, kind) for key, kind in kinds.items() if kind != "?" or key not in self._kind)
 
     def seconds(self) -> float:
         """CPU seconds so far, sampled now."""
