@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the whole suite: lint and types, then integration (local Ray, real servers) with
 # unit (no Ray), multinode (Ray nodes in network namespaces), e2e (`duet serve`) and the
-# rest of integration beside it. Each stage prints its wall time, so where the suite's time goes is in every CI log.
+# rest of integration beside it. Each stage prints its wall time, so where the suite's
+# time goes is in every CI log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${DUET_VENV:-.venv}
@@ -29,10 +30,10 @@ if [ -x scripts/redis.sh ]; then bash scripts/redis.sh start || echo "redis unav
 # in e2e's namespace), so that both lanes end about together. Two more clusters at once
 # would not fit in memory. Multinode's nodes, ports, Redis and processes are all its
 # own, and e2e and the late part run in a network namespace with only a loopback of its
-# own (root; without one, e2e runs after integration and integration is whole). On a machine shared
-# with a busy process, the scheduler gives the suite a share of that process's core only
-# while three or more of the suite's threads are runnable: a stage run alone would get
-# one core. Their log is printed when they end.
+# own (root; without one, e2e runs after integration and integration is whole). On a
+# machine shared with a busy process, the scheduler gives the suite a share of that
+# process's core only while three or more of the suite's threads are runnable: a stage
+# run alone would get one core. Their log is printed when they end.
 unit() { "$VENV/bin/python" -m pytest -m unit -q -p no:cacheprovider -n 2 --durations=8 tests/unit; }
 E2E_NS=duet-e2e-$$
 e2e_netns_up() {
