@@ -43,7 +43,7 @@ SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000}
 # Where the image (deploy/Containerfile) has its virtual environment.
 IMAGE_VENV = "/home/ray/venv"
 NODE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONHASHSEED": "0",
-            "HF_HUB_OFFLINE": "1"}
+            "HF_HUB_OFFLINE": "1", "RAY_prestart_worker_first_driver": "0"}  # why: cluster/cli.py
 
 
 @dataclass(frozen=True)

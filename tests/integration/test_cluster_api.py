@@ -48,7 +48,9 @@ SETUPS = [
 ]
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: the suite runs tests grouped by cluster config, so a module-scoped
+# fixture would be computed again for each config group (~5 CPU s each time).
+@pytest.fixture(scope="session")
 def reference() -> dict[str, tuple]:
     """(text, completion tokens, finish reason) of the single-process fp32 engine, and
     under "banned" (text, logit_bias) of the completion with its first token banned, and

@@ -35,7 +35,7 @@ FIRST = prompt(AUTO_LOCAL_MAX_TOKENS - 4, 8803)
 NEXT = FIRST + prompt(30, 8804)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # as test_cluster_api.py's: computed once, not per config group
 def reference() -> dict[tuple[int, ...], str]:
     """The single-process fp32 engine's greedy text for each prompt."""
     torch.set_num_threads(1)  # the replicas use the other core
