@@ -11,8 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("PYTHONHASHSEED", "0")
-# Ray prestarts one plain worker per CPU for a first driver; every duet actor carries a
-# runtime env, so none of them ever runs there: each sat idle with ~3 CPU s and ~100 MB.
+# Ray prestarts plain workers for a job's first driver (two on a 4-CPU local cluster).
+# Every duet actor carries the job's runtime env, so none of them ever runs there: each
+# only cost its ~3 CPU s of start-up and then sat idle until Ray reaped it.
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 # `duet bench TARGET` -> the module that owns the target's flags and its
