@@ -38,6 +38,7 @@ served from an earlier point's prefix cache.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import tempfile
@@ -53,6 +54,7 @@ from bench.loadgen_subprocess import run_loadgen, summarize
 from bench.machine_ceilings import cpu_flags, measure
 from cluster import serve_cli
 from cluster.config import ClusterConfig, load_config
+from engine import step_trace
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
@@ -154,17 +156,26 @@ class Layout:
 
 
 def served(mode: str, points: list[tuple[int, list[str]]], seeds: list[int], input_len: int, output_len: int,
-           layout: Layout) -> list[dict]:
+           layout: Layout, trace: Path | None = None) -> list[dict]:
+    """The mode's rows; with `trace` (the engines' `DUET_STEP_TRACE` folder) each row
+    also has its engines' steps during the point (`engines`, by trace file)."""
     url = serve_cli.start(layout.config(mode))
     rows = []
     try:
         for (conc, prompts), seed in zip(points, seeds):
+            began = time.monotonic()
             with tempfile.TemporaryDirectory() as d:
                 point = run_loadgen(url, Path(d), [
                     "--concurrency", str(conc), "--num-prompts", str(len(prompts)), "--seed", str(seed),
                     "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos",
                     "--warmup", "2"])[0]
             rows.append(dict(summarize(point), concurrency=conc))
+            if trace is not None:
+                full = conc - conc // 8  # a batch this full is steady: one finished, its successor not in yet
+                ended = time.monotonic()
+                engines = {name: step_trace.summarize(records, began, ended, full)
+                           for name, records in step_trace.read(trace).items()}
+                rows[-1]["engines"] = {name: e for name, e in engines.items() if e["steps"]}
             print(f"  {mode} c={conc}: {rows[-1]['output_tok_s']:.1f} tok/s", flush=True)
     finally:
         serve_cli.stop()
@@ -189,7 +200,34 @@ def table(result: dict) -> str:
         lines.append(f"\nc={c}: disaggregated/aggregated throughput "
                      f"{dis[c]['output_tok_s'] / agg[c]['output_tok_s']:.0%}, TTFT p50 "
                      f"{dis[c]['ttft_p50_ms'] - agg[c]['ttft_p50_ms']:+.0f} ms")
+    lines += steady_lines(result)
     return "\n".join(lines)
+
+
+def steady_lines(result: dict) -> list[str]:
+    """With step traces: each served point's engines, and the decoding engine's output
+    rate with its batch full (the steady state), against the client's figure."""
+    lines = []
+    steady: dict[tuple[str, int], float] = {}
+    for mode in MODES:
+        for r in result.get(mode, []):
+            for name, e in r.get("engines", {}).items():
+                if not e.get("steps"):
+                    continue
+                line = (f"{mode} c={r['concurrency']} {name}: busy {e['busy']:.0%}, steps by team size "
+                        f"{e['threads']}, step p50 {e['step_ms_p50']:.1f} ms")
+                if "steady" in e and step_trace.role_of(name) != "prefill":
+                    st = e["steady"]
+                    steady[(mode, r["concurrency"])] = st["outputs_per_s"]
+                    line += (f"; steady {st['seconds']:.1f} s: {st['outputs_per_s']:.1f} tok/s (client "
+                             f"{r['output_tok_s']:.1f}), batch {st['mean_batch']:.1f}, busy {st['busy']:.0%}, "
+                             f"{st['full_team']:.0%} of steps on the full team")
+                lines.append(line)
+    for c in sorted({c for _, c in steady}):
+        if ("aggregated", c) in steady and ("disaggregated", c) in steady:
+            lines.append(f"c={c}: steady disaggregated/aggregated "
+                         f"{steady[('disaggregated', c)] / steady[('aggregated', c)]:.0%}")
+    return ["", *lines] if lines else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,8 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--stream-interval", type=int, default=1, help="the servers' engine.stream_interval")
     p.add_argument("--port", type=int, default=8071)
+    p.add_argument("--step-trace", action="store_true",
+                   help="the served engines trace their steps (DUET_STEP_TRACE): the busy share, team sizes and "
+                        "steady-state rate of each engine at each point")
     p.add_argument("--json", default="out/bench_efficiency.json")
     a = p.parse_args(argv)
+    trace = None
+    if a.step_trace:  # before the first `serve_cli.start`: Ray's processes inherit it
+        trace = Path(tempfile.mkdtemp(prefix="duet-steps-"))
+        os.environ[step_trace.ENV] = str(trace)
     seeds = [1000 + c for c in a.concurrency]
     points = [(c, point_prompts(max(4, c * a.requests_per_slot), a.input_len, a.output_len, s))
               for c, s in zip(a.concurrency, seeds)]
@@ -226,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__, "threads": a.threads, "served_threads": a.served_threads,
                     "served_replicas": a.served_replicas, "engine_process": not a.engine_thread,
                     "colocate": not a.relay, "ingress": a.ingress,
-                    "pd_threads": [a.prefill_threads, a.decode_threads], "share_cores": a.share_cores},
+                    "pd_threads": [a.prefill_threads, a.decode_threads], "share_cores": a.share_cores,
+                    "step_trace": a.step_trace},
         "workload": {"input_len": a.input_len, "output_len": a.output_len, "dtype": a.dtype,
                      "stream_interval": a.stream_interval,
                      "requests": {c: len(ps) for c, ps in points}},
@@ -240,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                     share_cores=a.share_cores, colocate=not a.relay, ingress=a.ingress)
     for mode in a.modes:
         print(mode, flush=True)
-        result[mode] = served(mode, points, seeds, a.input_len, a.output_len, layout)
+        result[mode] = served(mode, points, seeds, a.input_len, a.output_len, layout, trace)
     print(table(result))
     write_json(a.json, result)
     return 0

@@ -18,6 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -31,6 +32,7 @@ from engine.replica_engine import pool_holds
 from engine.request import EngineDead, RequestFailed, RequestOutput, ResumeState
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
+from engine.step_trace import StepTrace
 from engine.structured import GrammarMatcher
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class AsyncEngine:
         self._events_lock = threading.Lock()
         self.stats: EngineStats = engine.stats()
         self.external_kv: ManagedExternalKV | None = None  # built by `start_engine`; closed by `shutdown`
+        self._trace = StepTrace.from_env(engine.role)
         self._thread = threading.Thread(target=self._loop, name="duet-engine", daemon=True)
         self._thread.start()
 
@@ -81,7 +84,10 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                began = time.monotonic()
                 outputs = self.engine.step()
+                if self._trace is not None:
+                    self._trace.record(began, time.monotonic() - began, torch.get_num_threads(), len(outputs))
                 self._publish(outputs)
         except BaseException as e:  # the engine is broken: fail every stream loudly
             log.exception("engine loop died")

@@ -43,7 +43,8 @@ never an orphan that holds a core.
 
 With `engine.share_cores` the child sizes its thread team before each step to the
 cores the other busy engine cores of this machine leave (engine/core_share.py), up to
-`threads`.
+`threads`. With `DUET_STEP_TRACE` set it appends one line per step to a trace
+(engine/step_trace.py).
 """
 
 from __future__ import annotations
@@ -53,12 +54,15 @@ import logging
 import os
 import pickle
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from engine.step_trace import StepTrace
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -122,6 +126,7 @@ class _Core:
             engine.on_export = self._exported
         self.parent = os.getppid()
         self.cores = cores
+        self.trace = StepTrace.from_env(engine.role)
 
     def run(self) -> None:
         while True:
@@ -135,7 +140,10 @@ class _Core:
             if self.engine.has_unfinished():
                 if self.cores is not None:
                     self._use_threads(self.cores.busy())
+                began = time.monotonic()
                 outputs = self.engine.step()
+                if self.trace is not None:
+                    self.trace.record(began, time.monotonic() - began, torch.get_num_threads(), len(outputs))
                 self._send_step(outputs)
             elif self.changed:  # e.g. blocks reserved or released: the stats moved
                 self._send_step([])

@@ -37,3 +37,22 @@ def test_the_table_gives_each_way_as_a_share_of_in_process_and_the_mode_ratios()
                           "ceilings": {"decode_tok_s": {"1": 40.0}}})
     assert "| in_process | 1 | 20.0 | 100% | 50% | 50 | 10.0 |" in with_ceiling
     assert "| aggregated | 1 | 15.0 | 75% | 38% | 100 | 10.0 |" in with_ceiling
+
+
+def test_with_step_traces_the_table_gives_each_engine_and_the_steady_ratio():
+    def engine(rate: float) -> dict:
+        return {"steps": 10, "busy": 0.9, "threads": {"1": 2, "2": 8}, "step_ms_p50": 25.0,
+                "steady": {"seconds": 5.0, "outputs_per_s": rate, "mean_batch": 7.5, "busy": 0.99,
+                           "full_team": 0.8}}
+
+    def row(tok_s, engines):
+        return {"concurrency": 8, "output_tok_s": tok_s, "ttft_p50_ms": 100, "tpot_p50_ms": 30.0,
+                "engines": engines}
+
+    text = table({"in_process": [row(250.0, {})],
+                  "aggregated": [row(240.0, {"aggregated-11": engine(250.0)})],
+                  "disaggregated": [row(200.0, {"prefill-12": engine(3.0), "decode-13": engine(240.0)})]})
+    assert ("aggregated c=8 aggregated-11: busy 90%, steps by team size {'1': 2, '2': 8}, step p50 25.0 ms; "
+            "steady 5.0 s: 250.0 tok/s (client 240.0), batch 7.5, busy 99%, 80% of steps on the full team") in text
+    assert "disaggregated c=8 prefill-12: busy 90%" in text and "steady 5.0 s: 3.0" not in text
+    assert "c=8: steady disaggregated/aggregated 96%" in text
