@@ -4,6 +4,11 @@ Redis is optional at runtime. While it does not answer, the tier bypasses its
 LMCache backend (CPU and disk keep working) and probes again every
 `redis_retry_interval_s`, so an outage costs one short timeout per interval rather
 than one per request.
+
+A ping that times out is sent once more at once, and only a second timeout marks
+Redis down: on a few busy cores one slow answer is a scheduling blip, not an
+outage, and a tier marked down would skip every store until the next probe (lost
+entries that show up later as misses). A refused connection is an outage at once.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from prefill.kv_tier.stats import TierStats
 
@@ -28,6 +34,12 @@ def fail_fast_redis(url: str, timeout_s: float):
     )
 
 
+class Pinger(Protocol):
+    def ping(self) -> object: ...
+
+    def close(self) -> None: ...
+
+
 class RedisHealth:
     """Owns the probe of one Redis tier and its up/down state."""
 
@@ -40,9 +52,10 @@ class RedisHealth:
         stats: TierStats,
         on_probe: Callable[[bool], None],
         clock: Callable[[], float] = time.monotonic,
+        probe: Pinger | None = None,  # a fail-fast client of `url` by default
     ) -> None:
         self.url = url
-        self._probe = fail_fast_redis(url, timeout_s)
+        self._probe = probe if probe is not None else fail_fast_redis(url, timeout_s)
         self._check_interval_s = check_interval_s
         self._retry_interval_s = retry_interval_s
         self._stats = stats
@@ -58,14 +71,14 @@ class RedisHealth:
             if not self.up:
                 self._stats.skipped += 1
             return self.up
-        try:
-            self._probe.ping()
-            up = True
-        except Exception as exc:  # noqa: BLE001 - any failure means "down"
-            up = False
+        error = self._ping()
+        if isinstance(error, TimeoutError):
+            error = self._ping()  # once more: slow is not down
+        up = error is None
+        if not up:
             self._stats.errors += 1
             if self.up:
-                log.warning("KV tier: Redis at %s unreachable, skipping it: %s", self.url, exc)
+                log.warning("KV tier: Redis at %s unreachable, skipping it: %s", self.url, error)
         if up and not self.up:
             log.info("KV tier: Redis at %s is back", self.url)
         self.up = up
@@ -74,6 +87,18 @@ class RedisHealth:
         if not up:
             self._stats.skipped += 1
         return up
+
+    def _ping(self) -> Exception | None:
+        """None when Redis answered; the failure otherwise, a timeout as `TimeoutError`."""
+        import redis
+
+        try:
+            self._probe.ping()
+            return None
+        except redis.exceptions.TimeoutError as exc:
+            return TimeoutError(str(exc) or "timed out")
+        except Exception as exc:  # noqa: BLE001 - any other failure means "down"
+            return exc
 
     def close(self) -> None:
         self._probe.close()
