@@ -33,6 +33,15 @@ gateway inside the decode replica (`--relay`: a gateway replica of its own).
 The prompts are loadgen's `random` workload (its seed per point), so the engine
 and the servers see the same words; each point has its own seed, so no point is
 served from an earlier point's prefix cache.
+
+These machines' speed drifts by a quarter within minutes (a neighbour's memory
+traffic), more than the gaps between the modes. `--rounds N` serves the modes N times
+in alternating order (A B, B A, ...), each round on a fresh cluster: the rows are
+medians, and each round's disaggregated/aggregated ratio, taken minutes apart, is
+printed beside them. `--step-trace` has every served engine trace its steps
+(engine/step_trace.py): how busy each engine was at each point, on which team sizes,
+and its output rate with the batch full, free of the ramp at a point's start (a
+closed loop starts all its requests at once) and the tail at its end.
 """
 
 from __future__ import annotations
@@ -196,37 +205,59 @@ def table(result: dict) -> str:
                          f"{r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.1f} |")
     agg = {r["concurrency"]: r for r in result.get("aggregated", [])}
     dis = {r["concurrency"]: r for r in result.get("disaggregated", [])}
+    rounds = result.get("rounds", [])
     for c in sorted(set(agg) & set(dis)):
         lines.append(f"\nc={c}: disaggregated/aggregated throughput "
                      f"{dis[c]['output_tok_s'] / agg[c]['output_tok_s']:.0%}, TTFT p50 "
                      f"{dis[c]['ttft_p50_ms'] - agg[c]['ttft_p50_ms']:+.0f} ms")
-    lines += steady_lines(result)
+        if len(rounds) > 1:  # each round's two modes ran minutes apart: the ratio that drift moves least
+            ratios = [_row(rd, "disaggregated", c)["output_tok_s"] / _row(rd, "aggregated", c)["output_tok_s"]
+                      for rd in rounds]
+            lines[-1] += (f" (medians of {len(rounds)} rounds); by round "
+                          f"{', '.join(f'{x:.0%}' for x in ratios)}, median {statistics.median(ratios):.0%}")
+    lines += steady_lines(rounds)
     return "\n".join(lines)
 
 
-def steady_lines(result: dict) -> list[str]:
-    """With step traces: each served point's engines, and the decoding engine's output
-    rate with its batch full (the steady state), against the client's figure."""
+def _row(round_: dict, mode: str, concurrency: int) -> dict:
+    return next(r for r in round_[mode] if r["concurrency"] == concurrency)
+
+
+def median_rows(rounds: list[list[dict]]) -> list[dict]:
+    """One mode's rows over its rounds: each figure the median of that point's rounds."""
+    rows = []
+    for points in zip(*rounds):
+        row = {k: v for k, v in points[0].items() if k != "engines"}
+        for key, value in row.items():
+            if isinstance(value, float):
+                row[key] = statistics.median(p[key] for p in points)
+        rows.append(row)
+    return rows
+
+
+def steady_lines(rounds: list[dict]) -> list[str]:
+    """With step traces: each round's served points' engines, and the decoding engine's
+    output rate with its batch full (the steady state), against the client's figure."""
     lines = []
-    steady: dict[tuple[str, int], float] = {}
-    for mode in MODES:
-        for r in result.get(mode, []):
-            for name, e in r.get("engines", {}).items():
-                if not e.get("steps"):
-                    continue
-                line = (f"{mode} c={r['concurrency']} {name}: busy {e['busy']:.0%}, steps by team size "
-                        f"{e['threads']}, step p50 {e['step_ms_p50']:.1f} ms")
-                if "steady" in e and step_trace.role_of(name) != "prefill":
-                    st = e["steady"]
-                    steady[(mode, r["concurrency"])] = st["outputs_per_s"]
-                    line += (f"; steady {st['seconds']:.1f} s: {st['outputs_per_s']:.1f} tok/s (client "
-                             f"{r['output_tok_s']:.1f}), batch {st['mean_batch']:.1f}, busy {st['busy']:.0%}, "
-                             f"{st['full_team']:.0%} of steps on the full team")
-                lines.append(line)
-    for c in sorted({c for _, c in steady}):
-        if ("aggregated", c) in steady and ("disaggregated", c) in steady:
-            lines.append(f"c={c}: steady disaggregated/aggregated "
-                         f"{steady[('disaggregated', c)] / steady[('aggregated', c)]:.0%}")
+    for number, round_ in enumerate(rounds, 1):
+        steady: dict[tuple[str, int], float] = {}
+        label = f"round {number}: " if len(rounds) > 1 else ""
+        for mode in MODES:
+            for r in round_.get(mode, []):
+                for name, e in r.get("engines", {}).items():
+                    line = (f"{label}{mode} c={r['concurrency']} {name}: busy {e['busy']:.0%}, steps by team size "
+                            f"{e['threads']}, step p50 {e['step_ms_p50']:.1f} ms")
+                    if "steady" in e and step_trace.role_of(name) != "prefill":
+                        st = e["steady"]
+                        steady[(mode, r["concurrency"])] = st["outputs_per_s"]
+                        line += (f"; steady {st['seconds']:.1f} s: {st['outputs_per_s']:.1f} tok/s (client "
+                                 f"{r['output_tok_s']:.1f}), batch {st['mean_batch']:.1f}, busy {st['busy']:.0%}, "
+                                 f"{st['full_team']:.0%} of steps on the full team")
+                    lines.append(line)
+        for c in sorted({c for _, c in steady}):
+            if ("aggregated", c) in steady and ("disaggregated", c) in steady:
+                lines.append(f"{label}c={c}: steady disaggregated/aggregated "
+                             f"{steady[('disaggregated', c)] / steady[('aggregated', c)]:.0%}")
     return ["", *lines] if lines else []
 
 
@@ -254,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     p.add_argument("--stream-interval", type=int, default=1, help="the servers' engine.stream_interval")
     p.add_argument("--port", type=int, default=8071)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="serve each mode this many times, the order alternating; rows are medians, and each round "
+                        "gives its own disaggregated/aggregated ratio")
     p.add_argument("--step-trace", action="store_true",
                    help="the served engines trace their steps (DUET_STEP_TRACE): the busy share, team sizes and "
                         "steady-state rate of each engine at each point")
@@ -272,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     "served_replicas": a.served_replicas, "engine_process": not a.engine_thread,
                     "colocate": not a.relay, "ingress": a.ingress,
                     "pd_threads": [a.prefill_threads, a.decode_threads], "share_cores": a.share_cores,
-                    "step_trace": a.step_trace},
+                    "step_trace": a.step_trace, "rounds": a.rounds},
         "workload": {"input_len": a.input_len, "output_len": a.output_len, "dtype": a.dtype,
                      "stream_interval": a.stream_interval,
                      "requests": {c: len(ps) for c, ps in points}},
@@ -284,9 +318,16 @@ def main(argv: list[str] | None = None) -> int:
                     aggregated_threads=a.served_threads, aggregated_replicas=a.served_replicas,
                     pd_threads=(a.prefill_threads, a.decode_threads), engine_process=not a.engine_thread,
                     share_cores=a.share_cores, colocate=not a.relay, ingress=a.ingress)
+    result["rounds"] = []
+    for number in range(a.rounds):
+        order = a.modes if number % 2 == 0 else a.modes[::-1]  # A B, B A, ...: drift hits both alike
+        round_ = {}
+        for mode in order:
+            print(mode if a.rounds == 1 else f"{mode} (round {number + 1} of {a.rounds})", flush=True)
+            round_[mode] = served(mode, points, seeds, a.input_len, a.output_len, layout, trace)
+        result["rounds"].append(round_)
     for mode in a.modes:
-        print(mode, flush=True)
-        result[mode] = served(mode, points, seeds, a.input_len, a.output_len, layout, trace)
+        result[mode] = median_rows([round_[mode] for round_ in result["rounds"]])
     print(table(result))
     write_json(a.json, result)
     return 0

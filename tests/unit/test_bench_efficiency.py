@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.efficiency import closed_loop, table
+from bench.efficiency import closed_loop, median_rows, table
 
 pytestmark = pytest.mark.unit
 
@@ -49,10 +49,25 @@ def test_with_step_traces_the_table_gives_each_engine_and_the_steady_ratio():
         return {"concurrency": 8, "output_tok_s": tok_s, "ttft_p50_ms": 100, "tpot_p50_ms": 30.0,
                 "engines": engines}
 
-    text = table({"in_process": [row(250.0, {})],
-                  "aggregated": [row(240.0, {"aggregated-11": engine(250.0)})],
-                  "disaggregated": [row(200.0, {"prefill-12": engine(3.0), "decode-13": engine(240.0)})]})
+    agg, dis = row(240.0, {"aggregated-11": engine(250.0)}), row(200.0, {"prefill-12": engine(3.0),
+                                                                         "decode-13": engine(240.0)})
+    text = table({"in_process": [row(250.0, {})], "aggregated": [agg], "disaggregated": [dis],
+                  "rounds": [{"aggregated": [agg], "disaggregated": [dis]}]})
     assert ("aggregated c=8 aggregated-11: busy 90%, steps by team size {'1': 2, '2': 8}, step p50 25.0 ms; "
             "steady 5.0 s: 250.0 tok/s (client 240.0), batch 7.5, busy 99%, 80% of steps on the full team") in text
     assert "disaggregated c=8 prefill-12: busy 90%" in text and "steady 5.0 s: 3.0" not in text
     assert "c=8: steady disaggregated/aggregated 96%" in text
+
+
+def test_rounds_give_median_rows_and_each_round_its_own_ratio():
+    def row(tok_s: float, ttft: float) -> dict:
+        return {"concurrency": 8, "completed": 16, "output_tok_s": tok_s, "ttft_p50_ms": ttft, "tpot_p50_ms": 30.0}
+
+    agg = [[row(200.0, 500.0)], [row(260.0, 450.0)], [row(240.0, 470.0)]]
+    dis = [[row(190.0, 400.0)], [row(200.0, 420.0)], [row(240.0, 380.0)]]
+    assert median_rows(agg) == [row(240.0, 470.0)]
+    text = table({"in_process": [row(250.0, 300.0)], "aggregated": median_rows(agg),
+                  "disaggregated": median_rows(dis),
+                  "rounds": [{"aggregated": a, "disaggregated": d} for a, d in zip(agg, dis)]})
+    assert ("c=8: disaggregated/aggregated throughput 83%, TTFT p50 -70 ms (medians of 3 rounds); "
+            "by round 95%, 77%, 100%, median 95%") in text
