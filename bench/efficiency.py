@@ -24,11 +24,14 @@ and the gateway inside that replica (`gateway.colocate`; `--relay` gives the gat
 replica of its own, which relays every token over Ray: 54% against 69% of in-process
 at c=32), with HAProxy in front (`gateway.ingress: haproxy`: each connection goes to
 the replica's own HTTP server; `--ingress proxy` puts Serve's Python proxy back, which
-relays every chunk over Ray); each disaggregated pool its configured one (1 prefill +
-1 decode replica, `--prefill-threads` and `--decode-threads` each, 1 by default: a
-second thread in either lost 13-22% at c=8 / 32, three compute threads on two cores),
-both engines in a child process (`--engine-thread` puts them back on a thread), the
-gateway inside the decode replica (`--relay`: a gateway replica of its own).
+relays every chunk over Ray); the disaggregated mode 1 prefill + 1 decode replica
+whose engines lend each other idle cores (`engine.share_cores`), each with a team of
+up to `--prefill-threads` and `--decode-threads` (2 and 2: deploy/disaggregated-direct.yaml;
+`--no-share-cores --prefill-threads 1 --decode-threads 1` is the pools' own default, a
+core each, which left the decode engine on one thread while prefill's core idled:
+60-85% of aggregated against 79-108%), both engines in a child process
+(`--engine-thread` puts them back on a thread), the gateway inside the decode replica
+(`--relay`: a gateway replica of its own).
 
 The prompts are loadgen's `random` workload (its seed per point), so the engine
 and the servers see the same words; each point has its own seed, so no point is
@@ -143,9 +146,9 @@ class Layout:
     stream_interval: int = 1
     aggregated_threads: int = 2
     aggregated_replicas: int = 1
-    pd_threads: tuple[int, int] = (1, 1)  # prefill, decode
+    pd_threads: tuple[int, int] = (2, 2)  # prefill, decode: teams of up to two, cores shared
     engine_process: bool = True  # every pool's engine core in a child process
-    share_cores: bool = False  # the engine cores lend each other idle cores (engine.share_cores)
+    share_cores: bool = True  # the engine cores lend each other idle cores (engine.share_cores)
     colocate: bool = True  # the gateway inside the replica that decodes
     ingress: str = "haproxy"
 
@@ -277,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the servers' gateway.ingress: Serve's Python proxy, or HAProxy to the replica's own server")
     p.add_argument("--relay", action="store_true",
                    help="a gateway replica of its own relays the tokens (gateway.colocate off)")
-    p.add_argument("--prefill-threads", type=int, default=1, help="the disaggregated prefill replica's threads")
-    p.add_argument("--decode-threads", type=int, default=1, help="the disaggregated decode replica's threads")
-    p.add_argument("--share-cores", action="store_true",
+    p.add_argument("--prefill-threads", type=int, default=2, help="the disaggregated prefill replica's threads")
+    p.add_argument("--decode-threads", type=int, default=2, help="the disaggregated decode replica's threads")
+    p.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine cores lend each other the cores they are not using (engine.share_cores)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
