@@ -38,9 +38,10 @@ and the servers see the same words; each point has its own seed, so no point is
 served from an earlier point's prefix cache.
 
 These machines' speed drifts by a quarter within minutes (a neighbour's memory
-traffic), more than the gaps between the modes. `--rounds N` serves the modes N times
-in alternating order (A B, B A, ...), each round on a fresh cluster: the rows are
-medians, and each round's disaggregated/aggregated ratio, taken minutes apart, is
+traffic), more than the gaps between the modes. `--rounds N` runs the in-process
+engine and serves the modes N times in alternating order (A B C, C B A, ...), each
+served round on a fresh cluster: the rows are medians, and each round's
+aggregated/in-process and disaggregated/aggregated ratios, taken minutes apart, are
 printed beside them. `--step-trace` has every served engine trace its steps
 (engine/step_trace.py): how busy each engine was at each point, on which team sizes,
 and its output rate with the batch full, free of the ramp at a point's start (a
@@ -116,14 +117,14 @@ def closed_loop(engine: Engine, prompts: list[str], output_len: int, concurrency
 
 
 def in_process(points: list[tuple[int, list[str]]], warmup: list[str], output_len: int, threads: int,
-               dtype: str) -> tuple[list[dict], dict]:
-    """The in-process rows, and the machine's ceilings measured at the engine's threads
-    and dtype (an accelerator has none measured here)."""
+               dtype: str, ceilings_too: bool = True) -> tuple[list[dict], dict]:
+    """The in-process rows, and (`ceilings_too`) the machine's ceilings measured at the
+    engine's threads and dtype (an accelerator has none measured here)."""
     torch.set_num_threads(threads)
     cfg = load_config(overrides={"engine.dtype": dtype}).engine
     engine = Engine(cfg)
     ceilings: dict = {}
-    if engine.device == "cpu":
+    if engine.device == "cpu" and ceilings_too:
         measured = measure(engine.model_config, engine.dtype, [c for c, _ in points], cfg.weight_quant)
         ceilings = {**measured.as_dict(),
                     "decode_tok_s": {str(c): measured.decode_tok_s(c) for c, _ in points}}
@@ -213,11 +214,14 @@ def table(result: dict) -> str:
         lines.append(f"\nc={c}: disaggregated/aggregated throughput "
                      f"{dis[c]['output_tok_s'] / agg[c]['output_tok_s']:.0%}, TTFT p50 "
                      f"{dis[c]['ttft_p50_ms'] - agg[c]['ttft_p50_ms']:+.0f} ms")
-        if len(rounds) > 1:  # each round's two modes ran minutes apart: the ratio that drift moves least
-            ratios = [_row(rd, "disaggregated", c)["output_tok_s"] / _row(rd, "aggregated", c)["output_tok_s"]
-                      for rd in rounds]
-            lines[-1] += (f" (medians of {len(rounds)} rounds); by round "
-                          f"{', '.join(f'{x:.0%}' for x in ratios)}, median {statistics.median(ratios):.0%}")
+    if len(rounds) > 1:  # each round's ways ran minutes apart: the ratios that drift moves least
+        lines.append(f"\nThe rows are medians of {len(rounds)} rounds; each round's own ratios:")
+        for way, of in (("aggregated", "in_process"), ("disaggregated", "aggregated")):
+            for c in sorted({r["concurrency"] for r in result.get(way, [])}):
+                if all(way in rd and of in rd for rd in rounds):
+                    ratios = [_row(rd, way, c)["output_tok_s"] / _row(rd, of, c)["output_tok_s"] for rd in rounds]
+                    lines.append(f"c={c}: {way}/{of} by round {', '.join(f'{x:.0%}' for x in ratios)}, "
+                                 f"median {statistics.median(ratios):.0%}")
     lines += steady_lines(rounds)
     return "\n".join(lines)
 
@@ -289,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-interval", type=int, default=1, help="the servers' engine.stream_interval")
     p.add_argument("--port", type=int, default=8071)
     p.add_argument("--rounds", type=int, default=1,
-                   help="serve each mode this many times, the order alternating; rows are medians, and each round "
-                        "gives its own disaggregated/aggregated ratio")
+                   help="run the in-process engine and serve each mode this many times, the order alternating; "
+                        "rows are medians, and each round gives its own ratios")
     p.add_argument("--step-trace", action="store_true",
                    help="the served engines trace their steps (DUET_STEP_TRACE): the busy share, team sizes and "
                         "steady-state rate of each engine at each point")
@@ -314,23 +318,27 @@ def main(argv: list[str] | None = None) -> int:
                      "stream_interval": a.stream_interval,
                      "requests": {c: len(ps) for c, ps in points}},
     }
-    print("in-process engine", flush=True)
     warmup = point_prompts(2, a.input_len, 4, seed=1)
-    result["in_process"], result["ceilings"] = in_process(points, warmup, a.output_len, a.threads, a.dtype)
     layout = Layout(dtype=a.dtype, port=a.port, stream_interval=a.stream_interval,
                     aggregated_threads=a.served_threads, aggregated_replicas=a.served_replicas,
                     pd_threads=(a.prefill_threads, a.decode_threads), engine_process=not a.engine_thread,
                     share_cores=a.share_cores, colocate=not a.relay, ingress=a.ingress)
+    ways = ["in_process", *a.modes]
     result["rounds"] = []
     for number in range(a.rounds):
-        order = a.modes if number % 2 == 0 else a.modes[::-1]  # A B, B A, ...: drift hits both alike
+        order = ways if number % 2 == 0 else ways[::-1]  # A B C, C B A, ...: drift hits every way alike
         round_ = {}
-        for mode in order:
-            print(mode if a.rounds == 1 else f"{mode} (round {number + 1} of {a.rounds})", flush=True)
-            round_[mode] = served(mode, points, seeds, a.input_len, a.output_len, layout, trace)
+        for way in order:
+            print(way if a.rounds == 1 else f"{way} (round {number + 1} of {a.rounds})", flush=True)
+            if way == "in_process":  # the ceilings once, with the first round's engine
+                round_[way], ceilings = in_process(points, warmup, a.output_len, a.threads, a.dtype,
+                                                   ceilings_too=not number)
+                result.setdefault("ceilings", ceilings)
+            else:
+                round_[way] = served(way, points, seeds, a.input_len, a.output_len, layout, trace)
         result["rounds"].append(round_)
-    for mode in a.modes:
-        result[mode] = median_rows([round_[mode] for round_ in result["rounds"]])
+    for way in ways:
+        result[way] = median_rows([round_[way] for round_ in result["rounds"]])
     print(table(result))
     write_json(a.json, result)
     return 0

@@ -63,11 +63,15 @@ def test_rounds_give_median_rows_and_each_round_its_own_ratio():
     def row(tok_s: float, ttft: float) -> dict:
         return {"concurrency": 8, "completed": 16, "output_tok_s": tok_s, "ttft_p50_ms": ttft, "tpot_p50_ms": 30.0}
 
+    engine = [[row(250.0, 300.0)], [row(260.0, 300.0)], [row(300.0, 300.0)]]
     agg = [[row(200.0, 500.0)], [row(260.0, 450.0)], [row(240.0, 470.0)]]
     dis = [[row(190.0, 400.0)], [row(200.0, 420.0)], [row(240.0, 380.0)]]
     assert median_rows(agg) == [row(240.0, 470.0)]
-    text = table({"in_process": [row(250.0, 300.0)], "aggregated": median_rows(agg),
+    text = table({"in_process": median_rows(engine), "aggregated": median_rows(agg),
                   "disaggregated": median_rows(dis),
-                  "rounds": [{"aggregated": a, "disaggregated": d} for a, d in zip(agg, dis)]})
-    assert ("c=8: disaggregated/aggregated throughput 83%, TTFT p50 -70 ms (medians of 3 rounds); "
-            "by round 95%, 77%, 100%, median 95%") in text
+                  "rounds": [{"in_process": e, "aggregated": a, "disaggregated": d}
+                             for e, a, d in zip(engine, agg, dis)]})
+    assert "c=8: disaggregated/aggregated throughput 83%, TTFT p50 -70 ms" in text
+    assert "The rows are medians of 3 rounds; each round's own ratios:" in text
+    assert "c=8: aggregated/in_process by round 80%, 100%, 80%, median 80%" in text
+    assert "c=8: disaggregated/aggregated by round 95%, 77%, 100%, median 95%" in text
