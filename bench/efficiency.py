@@ -29,7 +29,7 @@ whose engines lend each other idle cores (`engine.share_cores`), each with a tea
 up to `--prefill-threads` and `--decode-threads` (2 and 2: deploy/disaggregated-direct.yaml;
 `--no-share-cores --prefill-threads 1 --decode-threads 1` is the pools' own default, a
 core each, which left the decode engine on one thread while prefill's core idled:
-60-85% of aggregated against 79-108%), both engines in a child process
+57-78% of aggregated against 79-118%, three rounds each), both engines in a child process
 (`--engine-thread` puts them back on a thread), the gateway inside the decode replica
 (`--relay`: a gateway replica of its own).
 
