@@ -9,8 +9,8 @@ the stack around the engine): `duet bench efficiency --step-trace`.
 
 Times are `time.monotonic()` seconds, one clock for every process of a machine, so a
 benchmark can cut a trace at the moments its own points started and ended. One write
-per step (line-buffered): about a microsecond beside steps of tens of milliseconds,
-and nothing is lost when Serve kills the process.
+per step (line-buffered): 2.8 µs measured, beside steps of tens of milliseconds, and
+nothing is lost when Serve kills the process.
 """
 
 from __future__ import annotations
