@@ -20,21 +20,23 @@ MODEL = ModelConfig(model_id="tiny", num_layers=2, hidden_size=64, intermediate_
                     eos_token_ids=(0,))
 
 
-def resident_kib(name: str) -> int:
-    """Resident KiB of this process's mappings of the memfd called `name`."""
-    total, inside = 0, False
+def resident_kib(address: int) -> int:
+    """Resident KiB of this process's mapping that holds `address` (and no other)."""
+    inside = False
     with open(f"/proc/{os.getpid()}/smaps") as f:
         for line in f:
-            if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
-                inside = f"/memfd:{name}" in line
+            first = line.split()[0]
+            if "-" in first and all(c in "0123456789abcdef-" for c in first):
+                lo, hi = (int(x, 16) for x in first.split("-"))
+                inside = lo <= address < hi
             elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1])
-    return total
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_a_shared_kv_tensor_is_resident_and_zero_from_the_start():
     kv = KVCache(MODEL, num_blocks=256, block_size=16, dtype=torch.float32, device="cpu",
                  shared=True)
     nbytes = kv.data.numel() * kv.data.element_size()  # 4 MiB: 1,024 pages
-    assert resident_kib("duet-kv") * 1024 >= nbytes
+    assert resident_kib(kv.data.data_ptr()) * 1024 >= nbytes
     assert not kv.data.any()
