@@ -154,9 +154,13 @@ class Layout:
     ingress: str = "haproxy"
 
     def config(self, mode: str) -> ClusterConfig:
-        cfg = load_config(overrides={"mode": mode, "gateway.port": self.port, "engine.dtype": self.dtype,
-                                     "engine.stream_interval": self.stream_interval, "gateway.ingress": self.ingress,
-                                     "gateway.colocate": self.colocate, "engine.share_cores": self.share_cores})
+        overrides = {"mode": mode, "gateway.port": self.port, "engine.dtype": self.dtype,
+                     "engine.stream_interval": self.stream_interval, "gateway.ingress": self.ingress,
+                     "gateway.colocate": self.colocate, "engine.share_cores": self.share_cores}
+        if mode == "aggregated" and self.aggregated_replicas == 1:
+            # Nothing to choose among: no ingress request router hop (routing/router/ingress.py).
+            overrides["router.policy"] = "default"
+        cfg = load_config(overrides=overrides)
         if mode == "aggregated":  # both pools' CPU reservation, shared
             cfg.aggregated.threads = self.aggregated_threads
             cfg.aggregated.replicas = self.aggregated_replicas

@@ -17,6 +17,7 @@ from kvtransfer.events.config import PrefixIndexConfig
 from prefill.server import PrefillServer
 from routing.openai.access import KEYS_ENV
 from routing.openai.gateway import Gateway
+from routing.router.ingress import IngressRouter
 
 # Ray Serve's own cost per request on few cores: a replica runs its user code, and a
 # handle its router, on the replica's event loop rather than on threads of their own
@@ -133,8 +134,7 @@ def build_app(cfg: ClusterConfig):
     routers = router_configs(cfg)
     prefix_index = PrefixIndexConfig.model_validate(cfg.router.model_dump(include=set(PrefixIndexConfig.model_fields)))
     if cfg.mode == "aggregated" and cfg.gateway.colocate:
-        colocated = {**_pool_args(cfg, cfg.aggregated), "engine_process": cfg.aggregated.engine_process is not False}
-        return _colocated(cfg, "aggregated", gateway_env).bind(**gateway_args, colocated=colocated)
+        return _colocated_aggregated(cfg, gateway_env, gateway_args, routers, prefix_index)
     if cfg.mode == "aggregated":
         aggregated_opts = _options("aggregated", cfg.aggregated)
         if routers:
@@ -171,13 +171,31 @@ def build_app(cfg: ClusterConfig):
     return gateway.bind(**gateway_args, **pd_args, prefill=prefill, decode=decode)
 
 
-def _colocated(cfg: ClusterConfig, name: str, env: dict, drain_at_least_s: float = 0.0):
+def _colocated_aggregated(cfg: ClusterConfig, env: dict, gateway_args: dict,
+                          routers: dict[str, RequestRouterConfig], prefix_index: PrefixIndexConfig):
+    """The aggregated pool with the gateway in each replica; behind HAProxy with the
+    KV-aware router, the ingress request router chooses among them
+    (`ClusterConfig.routes_at_ingress`), from the KV events and load they report."""
+    colocated = {**_pool_args(cfg, cfg.aggregated), "engine_process": cfg.aggregated.engine_process is not False}
+    if not cfg.routes_at_ingress():
+        return _colocated(cfg, "aggregated", env).bind(**gateway_args, colocated=colocated)
+    colocated["prefix_index"] = prefix_index.model_dump()
+    pool = _colocated(cfg, "aggregated", env, router=routers["aggregated"]).bind(**gateway_args, colocated=colocated)
+    router = serve.deployment(IngressRouter).options(
+        name="ingress_router", ray_actor_options={"runtime_env": {"env_vars": env}},
+    ).bind(pool=pool, engine=cfg.engine.model_dump(), gateway=cfg.gateway.model_dump())
+    # Ray 2.60's private hook (Serve LLM's direct streaming uses the same): HAProxy asks
+    # `router` where each POST to `pool` goes.
+    return pool._with_ingress_request_router(router)
+
+
+def _colocated(cfg: ClusterConfig, name: str, env: dict, drain_at_least_s: float = 0.0,
+               router: RequestRouterConfig | None = None):
     """`gateway.colocate`: the gateway as one deployment with the pool `name` (aggregated,
     or decode), named after the pool and sized by it: each replica runs the gateway and
     that pool's engine, and streams the tokens it makes. Serve's proxy (or HAProxy)
-    hands each HTTP request to one of them by its own rule: the KV-aware router needs
-    the prompt's tokens, so a colocated pool's replicas are chosen by load (ClusterConfig
-    allows an aggregated pool the KV-aware router only with one replica)."""
+    hands each HTTP request to one of them by load, unless an ingress request router
+    chooses (`router`: the KV-aware one it runs, `_colocated_aggregated`)."""
     pool = cfg.pools()[name]
     opts = _options(name, pool, drain_at_least_s)
     opts["ray_actor_options"]["num_cpus"] = pool.num_cpus + cfg.gateway.num_cpus
@@ -188,4 +206,6 @@ def _colocated(cfg: ClusterConfig, name: str, env: dict, drain_at_least_s: float
     # moved sequences the others hand on.
     opts["max_ongoing_requests"] = cfg.gateway.max_pending_requests * 2 + (pool.max_ongoing_requests
                                                                          if name == "decode" else 0)
+    if router is not None:
+        opts["request_router_config"] = router
     return Gateway.options(**opts)

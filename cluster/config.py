@@ -69,13 +69,26 @@ class ClusterConfig(Strict):
                              "scale the pools by queue or fix them")
         if self.mode == "disaggregated":
             return  # the gateway runs in each decode replica; the prefill router still places prompts
+        if self._kv_aware_among_colocated() and self.gateway.ingress != "haproxy":
+            # Serve's Python proxy picks the ingress replica by load alone; only HAProxy
+            # asks an ingress request router, which can read the prompt.
+            raise ValueError("gateway.colocate: with more than one aggregated replica the KV-aware router "
+                             "chooses among them only behind gateway.ingress: haproxy; use that, "
+                             "router.policy: default, or one replica")
+
+    def _kv_aware_among_colocated(self) -> bool:
         pool = self.aggregated
         several = pool.replicas > 1 if pool.scaling == "fixed" else pool.autoscaling.max_replicas > 1
-        if several and self.router.policy == "kv_aware":
-            # Serve's proxy picks the ingress replica from the HTTP request; the
-            # KV-aware router needs the prompt's tokens, which only the gateway has.
-            raise ValueError("gateway.colocate: with more than one aggregated replica the KV-aware router "
-                             "cannot choose among them; use router.policy: default, or one replica")
+        return self.mode == "aggregated" and several and self.router.policy == "kv_aware"
+
+    def routes_at_ingress(self) -> bool:
+        """Whether HAProxy asks the ingress request router (routing/router/ingress.py)
+        which colocated aggregated replica takes each request: the KV-aware choice.
+        Whatever the pool's size: a Serve config carries the size apart from this
+        config (cluster/serve_config.py), and an operator may change it there. One
+        replica has nothing to choose; `router.policy: default` spares it the hop."""
+        return (self.mode == "aggregated" and self.gateway.colocate and self.gateway.ingress == "haproxy"
+                and self.router.policy == "kv_aware")
 
     def scaled_pools(self, policy: str) -> dict[str, PoolConfig]:
         """The pools whose `autoscaling.policy` is `policy`."""

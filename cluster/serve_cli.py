@@ -116,6 +116,8 @@ def use_haproxy(joining: bool) -> None:
     # Ray starts, it reaches the controller, the per-node ingress managers and the
     # replicas. The driver's own copy does not matter: it deploys through the controller.
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    # The ingress request router reads the prompt (routing/router/ingress.py).
+    os.environ["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] = "1"
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", HAPROXY_DRAIN_S)
 
 

@@ -10,7 +10,6 @@ the right status; an error after streaming began is sent as a final SSE event.
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -23,7 +22,6 @@ from autoscaling.config import SLOConfig
 from autoscaling.placement import DisaggregationConfig
 from autoscaling.signals import GatewaySignals
 from engine.config import EngineConfig
-from engine.tokenizer import load_tokenizer
 from engine.weights import served_model_name
 from kvtransfer.config import TransferConfig
 from kvtransfer.messages import DecodeRequest, PrefillRequest
@@ -41,6 +39,7 @@ from routing.openai.errors import (
 )
 from routing.openai.metrics import GatewayMetrics
 from routing.openai.openapi import publish_request_schemas, request_body
+from routing.openai.prompts import Prompts
 from routing.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,7 +59,6 @@ from routing.openai.stream import (
     merge_choices,
     sse_error,
 )
-from routing.openai.tools import tool_format
 from routing.router import view as router_view
 from telemetry import metrics, tracing
 from telemetry.config import TelemetryConfig
@@ -157,10 +155,8 @@ class Gateway:
             self.decode = pipeline.DecodePools.one(pipeline.RemotePool(decode))
         self.model_name = served_model_name(self.engine_cfg)
         self.max_model_len = self.engine_cfg.max_model_len
-        self.tokenizer = load_tokenizer(self.engine_cfg.model)
-        _ = self.tokenizer.hf  # chat templates render through transformers: load it now, not on a request
-        self.chat_template = Path(self.cfg.chat_template).read_text() if self.cfg.chat_template else None
-        self.tool_format = tool_format(self.chat_template or self.tokenizer.chat_template, self.cfg.tool_format)
+        self.prompts = Prompts(self.engine_cfg, self.cfg)
+        self.tokenizer = self.prompts.tokenizer
         self.prefill = prefill
         # Not `self.metrics`: that name is the /metrics route below.
         self.gateway_metrics = GatewayMetrics(replica_id())
@@ -190,6 +186,11 @@ class Gateway:
         (read by Serve every `metrics_interval_s`)."""
         self.signals.in_flight = self.admission.in_flight
         return self.signals.report()
+
+    def record_routing_stats(self) -> dict:
+        """A colocated replica reports as the pool replica it also is (its load and KV
+        events, for the ingress request router's KV-aware choice); a gateway alone, nothing."""
+        return self.local.record_routing_stats() if self.local is not None else {}
 
     # ------------------------------------------------------------ probes
     @app.get("/health")
@@ -267,13 +268,7 @@ class Gateway:
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat(self, request: Request):
         key, req = await self._accept(request, ChatCompletionRequest)
-        req.use_tool_format(self.tool_format)
-        try:
-            text = self.tokenizer.apply_chat_template(req.template_messages(), req.add_generation_prompt,
-                                                      req.template_tools(), self.chat_template)
-        except Exception as e:
-            raise invalid_request(f"messages could not be rendered with the chat template: {e}", "messages") from e
-        ids = await asyncio.to_thread(self.tokenizer.encode, text)
+        ids = await self.prompts.chat_ids(req)
         # Off the event loop: a structured output's grammar is compiled to validate it.
         sp = await asyncio.to_thread(
             req.to_sampling_params, len(ids), self.max_model_len, self.cfg.max_tokens, self.tokenizer.vocab_size
@@ -298,14 +293,7 @@ class Gateway:
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(self, request: Request):
         key, req = await self._accept(request, CompletionRequest)
-        if isinstance(req.prompt, str):
-            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt)
-        else:
-            ids = list(req.prompt)
-            if max(ids) >= self.tokenizer.vocab_size:
-                raise invalid_request(f"token ids must be < {self.tokenizer.vocab_size}", "prompt")
-        if not ids:
-            raise invalid_request("prompt must not be empty", "prompt")
+        ids = await self.prompts.completion_ids(req)
         # Off the event loop: a structured output's grammar is compiled to validate it.
         sp = await asyncio.to_thread(
             req.to_sampling_params, len(ids), self.max_model_len, self.cfg.max_tokens, self.tokenizer.vocab_size

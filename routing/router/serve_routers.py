@@ -86,6 +86,13 @@ _M = TypeVar("_M", PrefillRequest, DecodeRequest)
 # it finished (reports are at most `request_routing_stats_period_s` + a broadcast old),
 # and how long a decision may wait to be sent before it no longer counts as load.
 _COMPLETED_WINDOW_S = 10.0
+# A pick-only choice (`PICK_ONLY`): the ingress request router picks a replica and
+# HAProxy sends the request, so this router never sees it sent or completed. It counts
+# as load here until the replica's own reports (every `router.stats_period_s`, then a
+# controller broadcast) count it instead.
+_PICK_ONLY_WINDOW_S = 2.0
+# The keyword a `choose_replica` call sets (True) to say it only picks (routing/router/ingress.py).
+PICK_ONLY = "duet_pick_only"
 
 
 def replica_key(replica_id: ReplicaID) -> str:
@@ -112,7 +119,7 @@ class _Planned:
     request_id: str | None
     tokens: int  # work it adds there
     counted: int  # what the replica's report counts for it while it is there
-    decided_at: float  # monotonic
+    expires_at: float  # monotonic: no longer load here after this (cancelled, or picked only)
 
 
 class _LoadTracking:
@@ -170,8 +177,9 @@ class _LoadTracking:
         flight = self._inflight.get(key)
         tokens = flight.num_tokens if flight else 0
         requests = len(flight.tokens) if flight else 0
+        now = time.monotonic()
         for p in self._planned.values():
-            if p.key == key:
+            if p.key == key and p.expires_at > now:
                 tokens += p.tokens
                 requests += 1
         return tokens, requests
@@ -180,10 +188,12 @@ class _LoadTracking:
         """`tokens`: work this request adds; `counted`: what the replica's report
         counts for it while queued (a prefill replica counts the whole prompt)."""
         now = time.monotonic()
-        for rid in [rid for rid, p in self._planned.items() if now - p.decided_at > _COMPLETED_WINDOW_S]:
-            del self._planned[rid]  # decided, never sent (cancelled first)
+        for rid in [rid for rid, p in self._planned.items() if p.expires_at < now]:
+            del self._planned[rid]  # decided, never sent (cancelled first), or picked only
         counted = tokens if counted is None else counted
-        self._planned[pr.metadata.internal_request_id] = _Planned(key, _request_id(pr), tokens, counted, now)
+        window = _PICK_ONLY_WINDOW_S if pr.kwargs.get(PICK_ONLY) else _COMPLETED_WINDOW_S
+        self._planned[pr.metadata.internal_request_id] = _Planned(key, _request_id(pr), tokens, counted,
+                                                                  now + window)
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         rid = pending_request.metadata.internal_request_id

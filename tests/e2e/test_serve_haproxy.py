@@ -1,8 +1,10 @@
-"""`duet serve --mode aggregated --colocate --ingress haproxy`: the aggregated replica
-runs the gateway and its own HTTP server, and HAProxy, not Serve's Python proxy,
-carries each connection to it, so a streamed token crosses no Ray hop between
-processes. Its own `duet serve` and Ray, after the session's server has stopped
-(`stops_server` tests run last, and this file sorts after the one that stops it).
+"""`duet serve --mode aggregated --colocate --ingress haproxy --replicas 2`: each
+aggregated replica runs the gateway and its own HTTP server, and HAProxy, not Serve's
+Python proxy, carries each connection to one of them, so a streamed token crosses no
+Ray hop between processes. HAProxy asks the ingress request router which replica
+(routing/router/ingress.py): the KV-aware choice. Its own `duet serve` and Ray, after
+the session's server has stopped (`stops_server` tests run last, and this file sorts
+after the one that stops it).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -28,7 +32,7 @@ DIRECT_PORTS = range(30500, 30510)
 @pytest.fixture(scope="module")
 def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     with running(tmp_path_factory.mktemp("haproxy"),
-                 args=("--mode", "aggregated", "--colocate", "--ingress", "haproxy"),
+                 args=("--mode", "aggregated", "--colocate", "--ingress", "haproxy", "--replicas", "2"),
                  env={"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(DIRECT_PORTS.start),
                       "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(DIRECT_PORTS.stop)}) as s:
         yield s
@@ -55,9 +59,11 @@ def _listener(port: int) -> str:
 
 def test_haproxy_carries_the_stream_the_replica_writes(direct: Served):
     assert "haproxy" in _listener(PORT), _listener(PORT)
-    # The replica's own HTTP server answers (what HAProxy forwards to).
-    replica_ports = [p for p in DIRECT_PORTS if "ServeReplica" in _listener(p)]
-    assert len(replica_ports) == 1, [_listener(p) for p in DIRECT_PORTS]
+    # Each replica's own HTTP server answers (what HAProxy forwards to), and so does the router's.
+    listeners = {p: _listener(p) for p in DIRECT_PORTS}
+    replica_ports = [p for p, cmd in listeners.items() if "ServeReplica:duet:aggregated" in cmd]
+    assert len(replica_ports) == 2, listeners
+    assert sum("ServeReplica:duet:ingress_router" in cmd for cmd in listeners.values()) == 1, listeners
     with urllib.request.urlopen(f"http://127.0.0.1:{replica_ports[0]}/v1/models", timeout=30) as r:
         assert json.load(r)["data"][0]["id"]
 
@@ -78,3 +84,38 @@ def test_haproxy_carries_the_stream_the_replica_writes(direct: Served):
         return {"generate"} <= {s.name for s in spans} and {s.component for s in spans} == {"gateway+aggregated"}
 
     assert direct.sink.wait_for(traced, 60), sorted({(s.component, s.name) for s in direct.sink.spans})
+
+
+def _replica_of(direct: Served, response_id: str) -> str:
+    """The aggregated replica that generated a response (its `generate` span says)."""
+    def generated() -> list:
+        roots = direct.sink.find(**{"duet.request_id": response_id})
+        spans = direct.sink.trace(roots[0].trace_id) if roots else []
+        return [s.attributes["duet.replica"] for s in spans if s.name == "generate"]
+
+    assert direct.sink.wait_for(lambda: bool(generated()), 60), response_id
+    return generated()[0]
+
+
+def test_the_ingress_request_router_sends_each_prompt_where_its_prefix_is_cached(direct: Served):
+    c = openai.OpenAI(base_url=f"{direct.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = c.models.list().data[0].id
+    prefixes = {k: f"Document {k}: " + " ".join(f"{k}{i}" for i in range(80)) for k in ("alpha", "beta")}
+
+    def complete(prompt: str, max_tokens: int) -> str:
+        return _replica_of(direct, c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                         temperature=0).id)
+
+    # Sent together, the two prompts go to different replicas: the router counts its
+    # first pick as load until that replica's reports do.
+    with ThreadPoolExecutor(2) as pool:
+        home = dict(zip(prefixes, pool.map(lambda p: complete(p, 16), prefixes.values())))
+    assert home["alpha"] != home["beta"], home
+
+    # Their blocks reach the router in their replicas' reports: wait until a follow-up
+    # of each goes home, then every follow-up must, in any order.
+    deadline = time.monotonic() + 60
+    while not all(complete(prefixes[k] + " Question 0?", 1) == home[k] for k in prefixes):
+        assert time.monotonic() < deadline, "the router never saw the prefixes' blocks"
+    for i, k in enumerate(("alpha", "alpha", "beta", "beta", "alpha", "beta", "beta", "alpha"), 1):
+        assert complete(prefixes[k] + f" Question {i}?", 1) == home[k], (i, k, home)

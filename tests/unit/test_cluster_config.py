@@ -114,12 +114,22 @@ def test_the_gateway_colocates_only_with_replicas_it_can_route_among():
     # The goodput policy reads latencies from the gateway's own deployment.
     with pytest.raises(ConfigError, match="gateway.colocate: the goodput policy"):
         load_config(overrides={"gateway.colocate": True, "decode.autoscaling": {"policy": "goodput"}})
-    # Serve's proxy picks the replica from HTTP alone: the KV-aware router cannot.
-    with pytest.raises(ConfigError, match="KV-aware router cannot choose"):
+    # Serve's Python proxy picks the replica by load alone: the KV-aware router cannot.
+    with pytest.raises(ConfigError, match="only behind gateway.ingress: haproxy"):
         load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2})
-    with pytest.raises(ConfigError, match="KV-aware router cannot choose"):
+    with pytest.raises(ConfigError, match="only behind gateway.ingress: haproxy"):
         load_config(overrides={"mode": "aggregated", "gateway.colocate": True,
                                "aggregated.autoscaling": {"policy": "queue", "max_replicas": 3}})
+    # HAProxy asks the ingress request router, which makes the KV-aware choice.
+    routed = load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2,
+                                    "gateway.ingress": "haproxy"})
+    assert routed.routes_at_ingress()
+    # Whatever its size (a Serve config sizes the pool apart), unless the policy is default.
+    assert load_config(overrides={"mode": "aggregated", "gateway.colocate": True,
+                                  "gateway.ingress": "haproxy"}).routes_at_ingress()
+    assert not load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "gateway.ingress": "haproxy",
+                                      "router.policy": "default"}).routes_at_ingress()
+    assert not load_config(overrides={"gateway.colocate": True, "gateway.ingress": "haproxy"}).routes_at_ingress()
     two = load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2,
                                  "router.policy": "default"})
     assert two.aggregated.replicas == 2

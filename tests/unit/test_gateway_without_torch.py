@@ -1,6 +1,7 @@
-"""A gateway replica (one not colocated with an engine) never loads torch: importing
-its module and loading the embedded model's tokenizer leave torch unimported. torch
-would cost each gateway ~1.3 s of CPU at start and ~200 MB of memory."""
+"""A gateway replica (one not colocated with an engine) and an ingress request router
+never load torch: importing their modules and loading the embedded model's tokenizer
+leave torch unimported. torch would cost each of them ~1.3 s of CPU at start and
+~200 MB of memory."""
 
 import subprocess
 import sys
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.unit
 PROGRAM = """
 import sys
 import routing.openai.gateway
+import routing.router.ingress
 from engine.config import DEFAULT_MODEL
 from engine.tokenizer import load_tokenizer
 assert load_tokenizer(DEFAULT_MODEL).encode("Hello")

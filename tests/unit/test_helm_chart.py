@@ -390,10 +390,11 @@ def test_the_haproxy_ingress_is_set_on_every_ray_pod():
     """`gateway.ingress: haproxy` is a Ray cluster setting, read by every Ray process:
     each pod's container gets it, beside the group's own env."""
     haproxy = {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}
+    body = {"name": "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY", "value": "1"}  # the ingress router reads it
     values = with_values(None, duet__gateway__ingress="haproxy", head__env=[{"name": "A", "value": "b"}])
     for name, group in ray_pod_groups(render(values)).items():
         env = group["template"]["spec"]["containers"][0]["env"]
-        assert haproxy in env, name
+        assert haproxy in env and body in env, name
         if name == "head":
             assert {"name": "A", "value": "b"} in env
     for group in ray_pod_groups(render()).values():

@@ -19,7 +19,12 @@ from engine.kv_events import BlockStored
 from engine.sampling_params import SamplingParams
 from kvtransfer.events.log import KVEventLog
 from kvtransfer.messages import PrefillRequest, RoutingStats
-from routing.router.serve_routers import KVAwareAggregatedRouter, KVAwareDecodeRouter, KVAwarePrefillRouter
+from routing.router.serve_routers import (
+    PICK_ONLY,
+    KVAwareAggregatedRouter,
+    KVAwareDecodeRouter,
+    KVAwarePrefillRouter,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -122,7 +127,7 @@ def test_a_decision_never_sent_stops_counting():
     assert r._local(f"prefill#{chosen}") == (64, 1)
     planned = r._planned[pr.metadata.internal_request_id]
     r._planned[pr.metadata.internal_request_id] = planned.__class__(
-        planned.key, planned.request_id, planned.tokens, planned.counted, planned.decided_at - 60
+        planned.key, planned.request_id, planned.tokens, planned.counted, planned.expires_at - 60
     )
     choose(r, [a, b], [6] * 16)  # the next decision drops it
     assert pr.metadata.internal_request_id not in r._planned
@@ -249,3 +254,28 @@ def test_the_aggregated_router_spreads_a_burst_and_follows_the_prefix():
     pr.metadata.call_method = "generate"
     assert asyncio.run(r.choose_replicas([a, holder], pr))[0][0].replica_id.unique_id == "b"
     assert r.decisions["prefix"] == 1
+
+
+def test_a_pick_only_choice_counts_as_load_until_the_replicas_reports_can_count_it():
+    """The ingress request router only picks (HAProxy sends the request, so this router
+    never sees it sent or completed): a pick spreads the picks right after it, then
+    stops counting, where the replica's own report takes over."""
+    r = object.__new__(KVAwareAggregatedRouter)
+    r.initialize_state(block_size=BS, model_fingerprint=FP, seed=0)
+    a, b = (SimpleNamespace(replica_id=SimpleNamespace(deployment_id=SimpleNamespace(name="aggregated"), unique_id=n),
+                            routing_stats=RoutingStats(kv_blocks_free=90, kv_blocks_total=100).to_wire())
+            for n in "ab")
+    r._sync([a, b])
+
+    def pick(prompt: list[int]) -> str:
+        pr = pending(prompt)
+        pr.metadata.call_method = "generate"
+        pr.kwargs = {PICK_ONLY: True}
+        return asyncio.run(r.choose_replicas([a, b], pr))[0][0].replica_id.unique_id
+
+    assert sorted(pick([200 + i] * 40) for i in range(4)) == ["a", "a", "b", "b"]
+    assert r._local("aggregated#a")[1] == 2
+    for rid, p in r._planned.items():  # the window passes
+        r._planned[rid] = p.__class__(p.key, p.request_id, p.tokens, p.counted, p.expires_at - 60)
+    assert r._local("aggregated#a") == (0, 0) and r._local("aggregated#b") == (0, 0)
+    assert pick([300] * 40) == "a"  # both idle again: the stable tie-break

@@ -133,6 +133,34 @@ def test_a_colocated_gateway_is_the_aggregated_pool_itself():
     assert "aggregated" not in deployment.init_kwargs  # no handle to another deployment
 
 
+def test_several_colocated_aggregated_replicas_behind_haproxy_are_chosen_by_the_ingress_request_router():
+    """The KV-aware choice among colocated replicas: the pool runs the aggregated
+    router and publishes its KV events; an ingress request router, bound to the pool,
+    renders prompts with the gateway's own settings."""
+    from cluster.app import build_app
+
+    cfg = load_config(None, {"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2,
+                             "gateway.ingress": "haproxy"})
+    app = build_app(cfg)
+    pool = app._bound_deployment
+    assert pool.name == "aggregated"
+    router_config = pool._deployment_config.request_router_config
+    assert router_config.request_router_class.endswith("KVAwareAggregatedRouter")
+    assert pool.init_kwargs["colocated"]["prefix_index"]["prefix_index"] == cfg.router.prefix_index
+    router = app._ingress_request_router._bound_deployment
+    assert router.name == "ingress_router"
+    assert router.init_kwargs["pool"] is app
+    assert router.init_kwargs["gateway"] == cfg.gateway.model_dump()
+    assert router.init_kwargs["engine"] == cfg.engine.model_dump()
+    # What Serve's build task gets: the size travels apart, the router still does.
+    assert build_app(cluster_config_of(serve_config(cfg)))._ingress_request_router is not None
+    # With Serve's default policy: no router, and HAProxy balances by load.
+    balanced = build_app(load_config(None, {"mode": "aggregated", "gateway.colocate": True,
+                                            "gateway.ingress": "haproxy", "router.policy": "default"}))
+    assert getattr(balanced, "_ingress_request_router", None) is None
+    assert "prefix_index" not in balanced._bound_deployment.init_kwargs["colocated"]
+
+
 def test_a_colocated_gateway_in_pd_mode_is_the_decode_pool_itself():
     """Two deployments: prefill, and decode whose replicas run the gateway too (with
     a handle to prefill, none to another decode deployment), reserve the pool's CPU

@@ -97,6 +97,8 @@ it in each process it starts. Args: dict "env" (the group's list) "root" (the ch
 {{- $env = append $env (dict "name" "RAY_SERVE_ENABLE_HA_PROXY" "value" "1") -}}
 {{- /* the drain `duet serve` sets too (cluster/serve_cli.py HAPROXY_DRAIN_S) */ -}}
 {{- $env = append $env (dict "name" "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" "value" "5") -}}
+{{- /* the ingress request router reads the prompt (routing/router/ingress.py) */ -}}
+{{- $env = append $env (dict "name" "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY" "value" "1") -}}
 {{- end -}}
 {{- with $env }}{{ toYaml . }}{{ end -}}
 {{- end }}
