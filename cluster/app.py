@@ -134,7 +134,11 @@ def build_app(cfg: ClusterConfig):
     routers = router_configs(cfg)
     prefix_index = PrefixIndexConfig.model_validate(cfg.router.model_dump(include=set(PrefixIndexConfig.model_fields)))
     if cfg.mode == "aggregated" and cfg.gateway.colocate:
-        return _colocated_aggregated(cfg, gateway_env, gateway_args, routers, prefix_index)
+        colocated = {**_pool_args(cfg, cfg.aggregated), "engine_process": cfg.aggregated.engine_process is not False}
+        if cfg.routes_at_ingress():  # the router follows the replicas' KV events
+            colocated["prefix_index"] = prefix_index.model_dump()
+        return _with_ingress_router(cfg, _colocated(cfg, "aggregated", gateway_env, routers=routers).bind(
+            **gateway_args, colocated=colocated), gateway_env)
     if cfg.mode == "aggregated":
         aggregated_opts = _options("aggregated", cfg.aggregated)
         if routers:
@@ -162,8 +166,9 @@ def build_app(cfg: ClusterConfig):
                    "engine_process": cfg.decode.engine_process}
     pd_args = {"disaggregation": cfg.router.disaggregation.model_dump(), "transfer_timeout_s": cfg.transfer.timeout_s}
     if cfg.gateway.colocate:
-        return _colocated(cfg, "decode", gateway_env, drain_at_least_s=lease_drain_s).bind(
-            **gateway_args, **pd_args, prefill=prefill, colocated=decode_args)
+        return _with_ingress_router(cfg, _colocated(
+            cfg, "decode", gateway_env, drain_at_least_s=lease_drain_s, routers=routers,
+        ).bind(**gateway_args, **pd_args, prefill=prefill, colocated=decode_args), gateway_env)
     decode_opts = _options("decode", cfg.decode, drain_at_least_s=lease_drain_s)
     if routers:
         decode_opts["request_router_config"] = routers["decode"]
@@ -171,16 +176,12 @@ def build_app(cfg: ClusterConfig):
     return gateway.bind(**gateway_args, **pd_args, prefill=prefill, decode=decode)
 
 
-def _colocated_aggregated(cfg: ClusterConfig, env: dict, gateway_args: dict,
-                          routers: dict[str, RequestRouterConfig], prefix_index: PrefixIndexConfig):
-    """The aggregated pool with the gateway in each replica; behind HAProxy with the
-    KV-aware router, the ingress request router chooses among them
-    (`ClusterConfig.routes_at_ingress`), from the KV events and load they report."""
-    colocated = {**_pool_args(cfg, cfg.aggregated), "engine_process": cfg.aggregated.engine_process is not False}
+def _with_ingress_router(cfg: ClusterConfig, pool, env: dict):
+    """`pool` (a colocated deployment, bound) as the app; behind HAProxy with the KV-aware
+    router, with the ingress request router that chooses among its replicas
+    (`ClusterConfig.routes_at_ingress`), from the load and KV events they report."""
     if not cfg.routes_at_ingress():
-        return _colocated(cfg, "aggregated", env).bind(**gateway_args, colocated=colocated)
-    colocated["prefix_index"] = prefix_index.model_dump()
-    pool = _colocated(cfg, "aggregated", env, router=routers["aggregated"]).bind(**gateway_args, colocated=colocated)
+        return pool
     router = serve.deployment(IngressRouter).options(
         name="ingress_router", ray_actor_options={"runtime_env": {"env_vars": env}},
     ).bind(pool=pool, engine=cfg.engine.model_dump(), gateway=cfg.gateway.model_dump())
@@ -190,12 +191,14 @@ def _colocated_aggregated(cfg: ClusterConfig, env: dict, gateway_args: dict,
 
 
 def _colocated(cfg: ClusterConfig, name: str, env: dict, drain_at_least_s: float = 0.0,
-               router: RequestRouterConfig | None = None):
+               routers: dict[str, RequestRouterConfig] | None = None):
     """`gateway.colocate`: the gateway as one deployment with the pool `name` (aggregated,
     or decode), named after the pool and sized by it: each replica runs the gateway and
     that pool's engine, and streams the tokens it makes. Serve's proxy (or HAProxy)
-    hands each HTTP request to one of them by load, unless an ingress request router
-    chooses (`router`: the KV-aware one it runs, `_colocated_aggregated`)."""
+    hands each HTTP request to one of them by load, unless the ingress request router
+    chooses (`_with_ingress_router`) with the pool's router from `routers`. A colocated
+    decode replica's own handle to its deployment (the others, for migrations and
+    moves) uses that router too."""
     pool = cfg.pools()[name]
     opts = _options(name, pool, drain_at_least_s)
     opts["ray_actor_options"]["num_cpus"] = pool.num_cpus + cfg.gateway.num_cpus
@@ -206,6 +209,6 @@ def _colocated(cfg: ClusterConfig, name: str, env: dict, drain_at_least_s: float
     # moved sequences the others hand on.
     opts["max_ongoing_requests"] = cfg.gateway.max_pending_requests * 2 + (pool.max_ongoing_requests
                                                                          if name == "decode" else 0)
-    if router is not None:
-        opts["request_router_config"] = router
+    if routers and cfg.routes_at_ingress():
+        opts["request_router_config"] = routers[name]
     return Gateway.options(**opts)

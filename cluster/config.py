@@ -83,12 +83,12 @@ class ClusterConfig(Strict):
 
     def routes_at_ingress(self) -> bool:
         """Whether HAProxy asks the ingress request router (routing/router/ingress.py)
-        which colocated aggregated replica takes each request: the KV-aware choice.
-        Whatever the pool's size: a Serve config carries the size apart from this
-        config (cluster/serve_config.py), and an operator may change it there. One
-        replica has nothing to choose; `router.policy: default` spares it the hop."""
-        return (self.mode == "aggregated" and self.gateway.colocate and self.gateway.ingress == "haproxy"
-                and self.router.policy == "kv_aware")
+        which colocated replica (aggregated, or decode in P/D) takes each request: the
+        pool router's KV-aware choice. Whatever the pool's size: a Serve config carries
+        the size apart from this config (cluster/serve_config.py), and an operator may
+        change it there. One replica has nothing to choose; `router.policy: default`
+        spares it the hop."""
+        return self.gateway.colocate and self.gateway.ingress == "haproxy" and self.router.policy == "kv_aware"
 
     def scaled_pools(self, policy: str) -> dict[str, PoolConfig]:
         """The pools whose `autoscaling.policy` is `policy`."""

@@ -40,6 +40,8 @@ def request_rows(results: list[RequestResult], per: list[RequestMetrics],
             row.update(output_tokens=m.output_tokens, ttft_ms=_ms(m.ttft), tpot_ms=_ms(m.tpot), e2el_ms=_ms(m.e2el))
             if r.usage:
                 row["server_completion_tokens"] = r.usage.get("completion_tokens")
+                # Prompt tokens the server found in its prefix cache (OpenAI's usage field).
+                row["server_cached_tokens"] = (r.usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         else:
             row["error"] = r.error
             row["http_status"] = r.http_status

@@ -18,9 +18,9 @@ class GatewayConfig(BaseModel):
     # Run the gateway inside each replica that decodes (aggregated, or decode in P/D
     # mode), which is then the HTTP ingress and streams the tokens its engine makes,
     # instead of a gateway replica of its own that relays every token from another
-    # replica over Ray. The ingress picks that replica by load, except for several
-    # aggregated replicas behind HAProxy with the KV-aware router: there the ingress
-    # request router (routing/router/ingress.py) makes the KV-aware choice.
+    # replica over Ray. The ingress picks that replica by load, except behind HAProxy
+    # with the KV-aware router: there the ingress request router
+    # (routing/router/ingress.py) makes the KV-aware choice.
     colocate: bool = False
     # What carries HTTP from the client to the ingress replicas (the gateway's, or the
     # colocated pool's). "proxy": Serve's HTTP proxy, which relays every

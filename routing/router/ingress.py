@@ -1,7 +1,8 @@
 """The ingress request router: which colocated replica HAProxy hands a request to.
 
-With `gateway.colocate`, each aggregated replica runs the gateway and is the HTTP
-ingress itself, so the replica that makes a request's tokens streams them. With
+With `gateway.colocate`, each replica that decodes (aggregated, or decode in P/D mode)
+runs the gateway and is the HTTP ingress itself, so the replica that makes a request's
+tokens streams them. With
 `gateway.ingress: haproxy` (Serve's HAProxy ingress), HAProxy forwards each connection
 straight to one such replica's own HTTP server. Before it forwards a POST, it asks this
 deployment where to send it: `POST /internal/route`, carrying the request's body
@@ -11,8 +12,11 @@ Authorization. The answer names one replica; HAProxy pins the request to it.
 
 This renders the body's prompt exactly as the gateway will (routing/openai/prompts.py)
 and asks the pool's own KV-aware router to choose, through a handle in this process
-(`KVAwareAggregatedRouter`, from the deployment's request router config): the replica
-holding the prompt's longest cached prefix, else the least loaded. It only picks;
+(from the deployment's request router config), as it chooses where a prompt is
+prefilled and decoded (`generate(PrefillRequest)`): the replica holding the prompt's
+longest cached prefix (from the replicas' KV events: an aggregated pool's always, a
+decode pool's unless `router.disaggregation.mode` is `always`), else the least loaded
+(sequences running, KV blocks free). It only picks;
 HAProxy sends the request, so the router counts a pick as load for a short window,
 after which the replica's own reports count it (serve_routers.PICK_ONLY).
 
@@ -60,7 +64,7 @@ router_app = FastAPI()
 @serve.ingress(router_app)
 class IngressRouter:
     """Answers HAProxy's `POST /internal/route` with the replica of `pool` (the
-    colocated aggregated deployment's handle) that should take the request."""
+    colocated deployment's handle) that should take the request."""
 
     def __init__(self, pool: DeploymentHandle, engine: dict, gateway: dict):
         """`engine` and `gateway` are the dumped `EngineConfig` and `GatewayConfig` the

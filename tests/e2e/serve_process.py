@@ -65,10 +65,11 @@ class Served:
         return "\n".join(self.log().splitlines()[-n:])
 
 
-def start(root: Path, timeout_s: float = 300, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Served:
-    """Start `duet serve` with CONFIG (and `args`, `env`) and wait for its ready line;
+def start(root: Path, timeout_s: float = 300, args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+          config: str = CONFIG) -> Served:
+    """Start `duet serve` with `config` (and `args`, `env`) and wait for its ready line;
     raises RuntimeError (with the log's tail) if it exits or is not ready in time."""
-    (root / "cluster.yaml").write_text(CONFIG)
+    (root / "cluster.yaml").write_text(config)
     sink = OTLPSink()
     env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
            **(env or {})}
@@ -105,11 +106,12 @@ def stop(s: Served) -> None:
 
 
 @contextlib.contextmanager
-def running(root: Path, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Iterator[Served]:
+def running(root: Path, args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+            config: str = CONFIG) -> Iterator[Served]:
     """A started `duet serve` for a fixture: a start that fails fails the test with its
     log; the server is stopped however the test ends."""
     try:
-        s = start(root, args=args, env=env)
+        s = start(root, args=args, env=env, config=config)
     except RuntimeError as e:
         pytest.fail(str(e))
     try:

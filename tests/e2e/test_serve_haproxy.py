@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
+from routing_checks import assert_prefix_routing
 from serve_process import PORT, Served, running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.stops_server]
@@ -86,36 +85,5 @@ def test_haproxy_carries_the_stream_the_replica_writes(direct: Served):
     assert direct.sink.wait_for(traced, 60), sorted({(s.component, s.name) for s in direct.sink.spans})
 
 
-def _replica_of(direct: Served, response_id: str) -> str:
-    """The aggregated replica that generated a response (its `generate` span says)."""
-    def generated() -> list:
-        roots = direct.sink.find(**{"duet.request_id": response_id})
-        spans = direct.sink.trace(roots[0].trace_id) if roots else []
-        return [s.attributes["duet.replica"] for s in spans if s.name == "generate"]
-
-    assert direct.sink.wait_for(lambda: bool(generated()), 60), response_id
-    return generated()[0]
-
-
 def test_the_ingress_request_router_sends_each_prompt_where_its_prefix_is_cached(direct: Served):
-    c = openai.OpenAI(base_url=f"{direct.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    model = c.models.list().data[0].id
-    prefixes = {k: f"Document {k}: " + " ".join(f"{k}{i}" for i in range(80)) for k in ("alpha", "beta")}
-
-    def complete(prompt: str, max_tokens: int) -> str:
-        return _replica_of(direct, c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                                         temperature=0).id)
-
-    # Sent together, the two prompts go to different replicas: the router counts its
-    # first pick as load until that replica's reports do.
-    with ThreadPoolExecutor(2) as pool:
-        home = dict(zip(prefixes, pool.map(lambda p: complete(p, 16), prefixes.values())))
-    assert home["alpha"] != home["beta"], home
-
-    # Their blocks reach the router in their replicas' reports: wait until a follow-up
-    # of each goes home, then every follow-up must, in any order.
-    deadline = time.monotonic() + 60
-    while not all(complete(prefixes[k] + " Question 0?", 1) == home[k] for k in prefixes):
-        assert time.monotonic() < deadline, "the router never saw the prefixes' blocks"
-    for i, k in enumerate(("alpha", "alpha", "beta", "beta", "alpha", "beta", "beta", "alpha"), 1):
-        assert complete(prefixes[k] + f" Question {i}?", 1) == home[k], (i, k, home)
+    assert_prefix_routing(direct, "generate")

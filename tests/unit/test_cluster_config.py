@@ -129,7 +129,8 @@ def test_the_gateway_colocates_only_with_replicas_it_can_route_among():
                                   "gateway.ingress": "haproxy"}).routes_at_ingress()
     assert not load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "gateway.ingress": "haproxy",
                                       "router.policy": "default"}).routes_at_ingress()
-    assert not load_config(overrides={"gateway.colocate": True, "gateway.ingress": "haproxy"}).routes_at_ingress()
+    assert load_config(overrides={"gateway.colocate": True, "gateway.ingress": "haproxy"}).routes_at_ingress()  # P/D
+    assert not load_config(overrides={"gateway.ingress": "haproxy"}).routes_at_ingress()  # a gateway of its own
     two = load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2,
                                  "router.policy": "default"})
     assert two.aggregated.replicas == 2

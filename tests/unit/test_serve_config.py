@@ -178,3 +178,10 @@ def test_a_colocated_gateway_in_pd_mode_is_the_decode_pool_itself():
     assert kwargs["colocated"]["engine"] == cfg.pool_engine(cfg.decode).model_dump()
     assert kwargs["colocated"]["transfer"] == cfg.transfer.model_dump()
     assert "decode" not in kwargs and kwargs["prefill"] is not None
+    # Behind HAProxy the ingress request router chooses the decode replica, by the decode router.
+    routed = build_app(load_config(None, {"gateway.colocate": True, "decode.replicas": 2,
+                                          "gateway.ingress": "haproxy"}))
+    assert routed._bound_deployment.name == "decode"
+    assert routed._bound_deployment._deployment_config.request_router_config.request_router_class.endswith(
+        "KVAwareDecodeRouter")
+    assert routed._ingress_request_router._bound_deployment.init_kwargs["pool"] is routed
