@@ -31,7 +31,9 @@ up to `--prefill-threads` and `--decode-threads` (2 and 2: deploy/disaggregated-
 core each, which left the decode engine on one thread while prefill's core idled:
 57-78% of aggregated against 79-118%, three rounds each), both engines in a child process
 (`--engine-thread` puts them back on a thread), the gateway inside the decode replica
-(`--relay`: a gateway replica of its own).
+(`--relay`: a gateway replica of its own). With one replica per pool there is nothing
+to choose: both modes serve with `router.policy: default`, so no KV-aware router
+hashes prompts and HAProxy asks no ingress request router (2-3 ms of TTFT).
 
 The prompts are loadgen's `random` workload (its seed per point), so the engine
 and the servers see the same words; each point has its own seed, so no point is
@@ -157,8 +159,9 @@ class Layout:
         overrides = {"mode": mode, "gateway.port": self.port, "engine.dtype": self.dtype,
                      "engine.stream_interval": self.stream_interval, "gateway.ingress": self.ingress,
                      "gateway.colocate": self.colocate, "engine.share_cores": self.share_cores}
-        if mode == "aggregated" and self.aggregated_replicas == 1:
-            # Nothing to choose among: no ingress request router hop (routing/router/ingress.py).
+        if mode == "disaggregated" or self.aggregated_replicas == 1:
+            # One replica per pool: nothing to choose, so no KV-aware routers and no
+            # ingress request router hop (routing/router/ingress.py).
             overrides["router.policy"] = "default"
         cfg = load_config(overrides=overrides)
         if mode == "aggregated":  # both pools' CPU reservation, shared
