@@ -60,6 +60,7 @@ from routing.openai.stream import (
     sse_error,
 )
 from routing.router import view as router_view
+from routing.router.ingress import ROUTE_HEADER
 from telemetry import metrics, tracing
 from telemetry.config import TelemetryConfig
 from telemetry.tracing import Context
@@ -276,6 +277,7 @@ class Gateway:
         call = Call(
             "chat", make_response_id("chat"), ids, sp, _session(request, req.prompt_cache_key), key, self.model_name,
             _trace_parent(request), self._choices(req.n), cache_salt(self.cfg.cache_isolation, key, req.cache_salt),
+            self._ingress_route(request),
         )
         self.admission.check(call)
         tools = req.tool_use()
@@ -301,7 +303,7 @@ class Gateway:
         call = Call(
             "completions", make_response_id("completion"), ids, sp, _session(request), key, self.model_name,
             _trace_parent(request), self._choices(req.candidates, "best_of" if req.best_of else "n"),
-            cache_salt(self.cfg.cache_isolation, key, req.cache_salt),
+            cache_salt(self.cfg.cache_isolation, key, req.cache_salt), self._ingress_route(request),
         )
         self.admission.check(call)
         logprobs = req.logprobs is not None
@@ -335,6 +337,15 @@ class Gateway:
     def _check_model(self, model: str | None) -> None:
         if model and model not in (self.model_name, self.engine_cfg.model):
             raise model_not_found(model)
+
+    def _ingress_route(self, request: Request) -> tuple[str, int] | None:
+        """(reason, prefix blocks) of the ingress request router's choice of this replica,
+        from the header HAProxy set (routing/router/ingress.py); None without one, or
+        where no HAProxy stands in front to strip a client's copy of it."""
+        if not (self.cfg.colocate and self.cfg.ingress == "haproxy"):
+            return None
+        reason, _, blocks = request.headers.get(ROUTE_HEADER, "").partition(" ")
+        return (reason, int(blocks)) if reason and blocks.isdigit() else None
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.convert_ids_to_tokens([token_id])[0]

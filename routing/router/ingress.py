@@ -18,7 +18,10 @@ longest cached prefix (from the replicas' KV events: an aggregated pool's always
 decode pool's unless `router.disaggregation.mode` is `always`), else the least loaded
 (sequences running, KV blocks free). It only picks;
 HAProxy sends the request, so the router counts a pick as load for a short window,
-after which the replica's own reports count it (serve_routers.PICK_ONLY).
+after which the replica's own reports count it (serve_routers.PICK_ONLY). Its answer
+also tells the chosen replica why, in a header HAProxy sets on the request
+(`ROUTE_HEADER`: the decision's reason and the prefix blocks it holds), which the
+gateway there puts on the request's span.
 
 What it cannot see it does not guess. A body it cannot read as a completion or chat
 request, or one the gateway will refuse, is routed by load alone, and the replica
@@ -50,9 +53,14 @@ from routing.openai.config import GatewayConfig
 from routing.openai.errors import APIError
 from routing.openai.prompts import Prompts
 from routing.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from routing.router import view
 from routing.router.serve_routers import PICK_ONLY
 
 log = logging.getLogger("ray.serve")
+
+# Set by HAProxy from this router's answer, e.g. "prefix 12". HAProxy deletes any
+# `x-serve-router-*` header a client sends to an app with an ingress request router.
+ROUTE_HEADER = "x-serve-router-duet-route"
 
 # A larger body is routed by load: tokenizing megabytes would outlast HAProxy's 5 s
 # wait for this router's answer, and no prompt that long fits the model anyway.
@@ -71,8 +79,10 @@ class IngressRouter:
         pool's gateways run with, so the prompt renders the same here."""
         self.cfg = GatewayConfig.model_validate(gateway)
         self.prompts = Prompts(EngineConfig.model_validate(engine), self.cfg)
-        # The call the pool's router decides on: `generate(PrefillRequest)`.
+        # The call the pool's router decides on: `generate(PrefillRequest)`; the pool's
+        # deployment is named after it ("aggregated", "decode"), as its router is.
         self.pool = pool.options(method_name="generate")
+        self.pool_name = pool.deployment_name
         self._ids = itertools.count()
         self.unread = 0  # bodies routed by load because they could not be read
 
@@ -88,7 +98,11 @@ class IngressRouter:
         message = PrefillRequest(f"route-{next(self._ids)}", tuple(prompt), SamplingParams(),
                                  session_id=request.headers.get("x-session-id"), cache_salt=salt)
         async with self.pool.choose_replica(message, _reserve=False, **{PICK_ONLY: True}) as selection:
-            return {"replica_id": selection._replica.replica_id.to_full_id_str()}
+            answer: dict = {"replica_id": selection._replica.replica_id.to_full_id_str()}
+        decision = view.take_pick(self.pool_name, selection._request_metadata.internal_request_id)
+        if decision is not None:
+            answer["request_headers"] = {ROUTE_HEADER: f"{decision.reason} {decision.cached_blocks}"}
+        return answer
 
     @router_app.get("/health")
     async def health(self) -> dict:

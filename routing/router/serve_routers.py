@@ -56,7 +56,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -93,6 +93,8 @@ _COMPLETED_WINDOW_S = 10.0
 _PICK_ONLY_WINDOW_S = 2.0
 # The keyword a `choose_replica` call sets (True) to say it only picks (routing/router/ingress.py).
 PICK_ONLY = "duet_pick_only"
+# Pick-only decisions kept for the picker to read back (`take_pick`), oldest dropped first.
+_PICKS_KEPT = 1024
 
 
 def replica_key(replica_id: ReplicaID) -> str:
@@ -140,6 +142,8 @@ class _LoadTracking:
         # Request id -> replica of each call this router sent and has not seen complete:
         # where a forked choice's sibling runs (`_fork_target`).
         self._running_on: dict[str, str] = {}
+        # Internal id -> decision of a pick-only choice, until its picker reads it.
+        self._picks: OrderedDict[str, RoutingDecision] = OrderedDict()
 
     def _observe(self, decision: RoutingDecision, parent: dict | None, started: float, matched: int = 0) -> None:
         """Count the decision and trace it as a `route <pool>` span of the request."""
@@ -194,6 +198,17 @@ class _LoadTracking:
         window = _PICK_ONLY_WINDOW_S if pr.kwargs.get(PICK_ONLY) else _COMPLETED_WINDOW_S
         self._planned[pr.metadata.internal_request_id] = _Planned(key, _request_id(pr), tokens, counted,
                                                                   now + window)
+
+    def _remember_pick(self, pr: PendingRequest, decision: RoutingDecision) -> None:
+        if pr.kwargs.get(PICK_ONLY):
+            self._picks[pr.metadata.internal_request_id] = decision
+            while len(self._picks) > _PICKS_KEPT:
+                self._picks.popitem(last=False)  # a picker that never asked
+
+    def take_pick(self, internal_request_id: str) -> RoutingDecision | None:
+        """The decision of a pick-only choice (the ingress request router's, which tells
+        the chosen replica why: its request span says), once."""
+        return self._picks.pop(internal_request_id, None)
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         rid = pending_request.metadata.internal_request_id
@@ -471,6 +486,7 @@ class KVAwareDecodeRouter(_IndexFollowing, _LoadTracking, RequestRouter):
         self._observe(decision, req.trace, started)
         assert pending_request is not None  # it carried the message
         self._plan(pending_request, decision.replica_id, need)  # tracked in blocks here
+        self._remember_pick(pending_request, decision)
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
         return [[by_key[decision.replica_id]], *([r] for r in rest)]
 

@@ -1,4 +1,4 @@
-"""What this process's routers know, for `router.disaggregation: auto`.
+"""What this process's routers know, for `router.disaggregation: auto` and the ingress router.
 
 The gateway's pipeline places each pass of a request before it calls either pool
 (autoscaling/placement.py). The numbers that price the two places live in the
@@ -7,6 +7,9 @@ index, and the decode pool's batches, free blocks and prefix index (from the dec
 replicas' KV events). Each router registers itself here when Serve gives it its
 replicas; `cluster_view` asks both, each on its own event loop (Serve runs routers on
 a loop of their own), and returns None until both have registered.
+
+The ingress request router (routing/router/ingress.py) reads back why its pool's
+router chose a replica (`take_pick`), to tell that replica.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from autoscaling.placement import ClusterView
 from kvtransfer.messages import PrefillRequest
+from routing.router.policy import RoutingDecision
 
 T = TypeVar("T")
 
@@ -79,6 +83,15 @@ async def cluster_view(req: PrefillRequest) -> ClusterView | None:
     decode_cached, running, fits = local
     return ClusterView(prefill_queued_tokens=queued, prefill_cached_tokens=prefill_cached,
                        decode_cached_tokens=decode_cached, decode_running=running, decode_fits=fits)
+
+
+def take_pick(pool: str, internal_request_id: str) -> RoutingDecision | None:
+    """What this process's `pool` router decided for a pick-only choice it made
+    (`serve_routers.PICK_ONLY`), once; None if it made none by that id. The ingress
+    request router calls it on the router's own loop (Serve runs a replica's routers on
+    its loop), right after the choice."""
+    found = _router(pool)
+    return found[0].take_pick(internal_request_id) if found is not None else None
 
 
 def event_cursors(pool: str) -> dict[str, int]:

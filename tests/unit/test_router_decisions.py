@@ -271,7 +271,12 @@ def test_a_pick_only_choice_counts_as_load_until_the_replicas_reports_can_count_
         pr = pending(prompt)
         pr.metadata.call_method = "generate"
         pr.kwargs = {PICK_ONLY: True}
-        return asyncio.run(r.choose_replicas([a, b], pr))[0][0].replica_id.unique_id
+        chosen = asyncio.run(r.choose_replicas([a, b], pr))[0][0].replica_id.unique_id
+        # The picker reads back why, once (the chosen replica's request span says).
+        decision = r.take_pick(pr.metadata.internal_request_id)
+        assert decision is not None and decision.replica_id == f"aggregated#{chosen}" and decision.reason == "kv"
+        assert r.take_pick(pr.metadata.internal_request_id) is None
+        return chosen
 
     assert sorted(pick([200 + i] * 40) for i in range(4)) == ["a", "a", "b", "b"]
     assert r._local("aggregated#a")[1] == 2
