@@ -2,10 +2,9 @@
 
 With `gateway.colocate`, each replica that decodes (aggregated, or decode in P/D mode)
 runs the gateway and is the HTTP ingress itself, so the replica that makes a request's
-tokens streams them. With
-`gateway.ingress: haproxy` (Serve's HAProxy ingress), HAProxy forwards each connection
-straight to one such replica's own HTTP server. Before it forwards a POST, it asks this
-deployment where to send it: `POST /internal/route`, carrying the request's body
+tokens streams them. With `gateway.ingress: haproxy` (Serve's HAProxy ingress), HAProxy
+forwards each connection straight to one such replica's own HTTP server. Before it
+forwards a POST, it asks this deployment where to send it: `POST /internal/route`, carrying the request's body
 (`RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1`, which `duet serve` and the chart
 set), its `x-session-id` and `x-request-id`, and nothing else: no path, no
 Authorization. The answer names one replica; HAProxy pins the request to it.
@@ -16,9 +15,9 @@ and asks the pool's own KV-aware router to choose, through a handle in this proc
 prefilled and decoded (`generate(PrefillRequest)`): the replica holding the prompt's
 longest cached prefix (from the replicas' KV events: an aggregated pool's always, a
 decode pool's unless `router.disaggregation.mode` is `always`), else the least loaded
-(sequences running, KV blocks free). It only picks;
-HAProxy sends the request, so the router counts a pick as load for a short window,
-after which the replica's own reports count it (serve_routers.PICK_ONLY). Its answer
+(sequences running, KV blocks free). It only picks; HAProxy sends the request, so the
+router counts a pick as load for a short window, after which the replica's own
+reports count it (serve_routers.PICK_ONLY). Its answer
 also tells the chosen replica why, in a header HAProxy sets on the request
 (`ROUTE_HEADER`: the decision's reason and the prefix blocks it holds), which the
 gateway there puts on the request's span.
@@ -50,7 +49,6 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.messages import PrefillRequest
 from routing.openai.access import cache_salt
 from routing.openai.config import GatewayConfig
-from routing.openai.errors import APIError
 from routing.openai.prompts import Prompts
 from routing.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from routing.router import view
@@ -88,10 +86,11 @@ class IngressRouter:
 
     @router_app.post("/internal/route")
     async def route(self, request: Request) -> dict:
-        read = await self._read(await request.body())
-        if read is None:
-            self.unread += 1
-            if self.unread == 1:
+        read = None
+        if self.cfg.cache_isolation != "per_key":  # else the blocks are keyed by a caller it cannot see
+            read = await self._read(await request.body())
+            self.unread += read is None
+            if read is None and self.unread == 1:
                 log.warning("ingress request router: a request body could not be read as a completion or chat "
                             "request; such requests are routed by load")
         prompt, salt = read or ((), None)
@@ -110,9 +109,9 @@ class IngressRouter:
 
     async def _read(self, body: bytes) -> tuple[list[int], str | None] | None:
         """The prompt's token ids as the gateway will render them, and its KV namespace;
-        None when the body is not a request the gateway would run, or the router must
-        not hash it."""
-        if self.cfg.cache_isolation == "per_key" or len(body) > _MAX_ROUTED_BODY_BYTES:
+        None when the body is not a request the gateway would run (the replica will say
+        why: this router must answer 200 whatever the body)."""
+        if len(body) > _MAX_ROUTED_BODY_BYTES:
             return None
         try:
             fields = json.loads(body)
@@ -127,6 +126,6 @@ class IngressRouter:
             if "prompt" in fields:
                 completion = parse_request(CompletionRequest, body)
                 return await self.prompts.completion_ids(completion), cache_salt("none", "", completion.cache_salt)
-        except APIError:
+        except Exception:  # APIError (a 400 the gateway gives), or anything else the body trips
             return None
         return None
