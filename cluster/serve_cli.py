@@ -94,6 +94,8 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
         deploy(cfg, ready_timeout)  # the generated Serve config (cluster/serve_config.py), as a RayService would
     url = f"http://{'127.0.0.1' if cfg.gateway.host == '0.0.0.0' else cfg.gateway.host}:{cfg.gateway.port}"
     wait_ready(url, ready_timeout)
+    if cfg.gateway.ingress == "haproxy" and not address:  # this machine's HAProxy: the one Ray started here
+        wait_haproxy_servers(_ingress_deployment(cfg), HAPROXY_SERVERS_WAIT_S)
     return url
 
 
@@ -126,6 +128,58 @@ def _scaling(pool) -> str:
     if pool.scaling == "fixed":
         return ""
     return f" ({a.policy} {a.min_replicas}-{a.max_replicas})"
+
+
+# Ray's default port of HAProxy's stats page (RAY_SERVE_HAPROXY_STATS_PORT).
+HAPROXY_STATS_PORT = int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404"))
+# HAProxy reloads within about a second of a change; past this, serving goes on anyway.
+HAPROXY_SERVERS_WAIT_S = 15.0
+
+
+def _ingress_deployment(cfg: ClusterConfig) -> str:
+    """The deployment whose replicas HAProxy forwards to: the colocated pool, else the gateway."""
+    if cfg.gateway.colocate:
+        return "aggregated" if cfg.mode == "aggregated" else "decode"
+    return "gateway"  # routing/openai/gateway.py names its deployment so
+
+
+def servers_up(stats_csv: str, deployment: str) -> int:
+    """Replicas of `deployment` that HAProxy forwards the app's requests to and finds UP,
+    from its stats page as CSV (one row per backend server; column 18 is the status,
+    "UP", or "UP 1/2" while its checks settle)."""
+    rows = [line.split(",") for line in stats_csv.splitlines() if not line.startswith("#")]
+    prefix = f"SERVE_REPLICA_{APP_NAME}-{deployment}-"
+    return sum(1 for row in rows if len(row) > 17 and row[0] == f"http-{APP_NAME}" and row[1].startswith(prefix)
+               and row[17].startswith("UP"))
+
+
+def haproxy_servers_up(deployment: str) -> int:
+    """`servers_up` of this machine's HAProxy."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{HAPROXY_STATS_PORT}/stats;csv", timeout=5) as r:
+        return servers_up(r.read().decode(), deployment)
+
+
+def wait_haproxy_servers(deployment: str, timeout: float) -> None:
+    """/ready answers once HAProxy knows one ingress replica; wait until it has reloaded
+    with every running one. Until then HAProxy cannot pin a request to a replica it does
+    not know, and the ingress request router's choice of it goes through Serve's
+    fallback proxy instead: served, but not where its prefix is."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout
+    running, up = 0, -1
+    while time.monotonic() < deadline:
+        try:
+            status = serve.status().applications[APP_NAME].deployments[deployment]
+            running = status.replica_states.get("RUNNING", 0)
+            up = haproxy_servers_up(deployment)
+        except Exception as e:  # no stats page (yet): keep asking until the deadline
+            log.debug("HAProxy stats: %s", e)
+        if running and up >= running:
+            return
+        time.sleep(0.2)
+    log.warning("HAProxy forwards to %s of %s running %s replicas after %.0f s; serving anyway",
+                max(up, 0), running, deployment, timeout)
 
 
 def wait_ready(url: str, timeout: float) -> None:
