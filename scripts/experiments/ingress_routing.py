@@ -1,8 +1,8 @@
 """What the ingress request router (routing/router/ingress.py) costs and what it buys.
 
 Serves the aggregated pool colocated behind HAProxy (`duet serve --colocate --ingress
-haproxy`) in four setups, each on a fresh `duet serve`, and drives each with `duet
-bench serve`:
+haproxy`) in four setups, each on a fresh cluster started as `duet serve` starts it
+(`serve_cli.start`), and drives each with `duet bench serve` in its own process:
 
 - `one-balanced` / `one-routed`: one replica (two engine threads), `router.policy:
   default` (no router) against `kv_aware` (HAProxy asks the router first, with
@@ -23,24 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-DUET = str(Path(sys.executable).with_name("duet"))
+from bench.loadgen_subprocess import run_loadgen, summarize
+from bench.machine_ceilings import cpu_flags
+from cluster import serve_cli
+from cluster.config import load_config
+
 PORT = 8031
-CONFIG = """\
-mode: aggregated
-engine: {{dtype: auto, num_kv_blocks: 256, max_model_len: 1024}}
-aggregated: {{replicas: {replicas}, threads: {threads}, num_cpus: {num_cpus}}}
-gateway: {{colocate: true, ingress: haproxy, port: {port}}}
-router: {{policy: {policy}}}
-"""
 SETUPS = {
     "one-balanced": dict(replicas=1, threads=2, num_cpus=1.0, policy="default"),
     "one-routed": dict(replicas=1, threads=2, num_cpus=1.0, policy="kv_aware"),
@@ -55,46 +47,23 @@ WORKLOADS = {
 }
 
 
-def serve(setup: str, root: Path) -> subprocess.Popen:
-    (root / "cluster.yaml").write_text(CONFIG.format(port=PORT, **SETUPS[setup]))
-    log = open(root / "serve.log", "w")
-    proc = subprocess.Popen([DUET, "serve", "--config", str(root / "cluster.yaml"), "--ready-timeout", "300"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 360
-    while "duet is serving" not in (root / "serve.log").read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(proc)
-            raise RuntimeError(f"{setup}: duet serve did not start; see {root / 'serve.log'}")
-        time.sleep(1)
-    return proc
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def run(setup: str, root: Path) -> dict:
-    proc = serve(setup, root)
+def run(setup: str) -> dict:
+    """One setup on a fresh `duet serve` (serve_cli.start, as the CLI does), driven once."""
+    s = SETUPS[setup]
+    cfg = load_config(overrides={
+        "mode": "aggregated", "engine.num_kv_blocks": 256, "engine.max_model_len": 1024,
+        "aggregated.replicas": s["replicas"], "aggregated.threads": s["threads"], "aggregated.num_cpus": s["num_cpus"],
+        "gateway.colocate": True, "gateway.ingress": "haproxy", "gateway.port": PORT, "router.policy": s["policy"]})
+    url = serve_cli.start(cfg)
     try:
-        out = root / "bench"
-        subprocess.run([DUET, "bench", "serve", "--base-url", f"http://127.0.0.1:{PORT}", "--ignore-eos",
-                        "--no-progress", "--seed", "0", "--out", str(out), *WORKLOADS[setup.split("-")[0]]],
-                       check=True, stdout=subprocess.DEVNULL)
+        with tempfile.TemporaryDirectory() as d:
+            point = run_loadgen(url, Path(d), ["--ignore-eos", "--seed", "0", *WORKLOADS[setup.split("-")[0]]])[0]
     finally:
-        stop(proc)
-    point = json.loads((out / "results.json").read_text())[0]
+        serve_cli.stop()
     rows = [r for r in point["requests"] if r.get("outcome") == "completed"]
     prompt = sum(r["prompt_tokens"] for r in rows)
     cached = sum(r.get("server_cached_tokens") or 0 for r in rows)
-    return {"setup": setup, "completed": len(rows), "ttft_p50_ms": point["metrics"]["ttft_ms"]["median"],
-            "ttft_p99_ms": point["metrics"]["ttft_ms"]["p99"], "tpot_p50_ms": point["metrics"]["tpot_ms"]["median"],
-            "output_tok_s": point["metrics"]["output_throughput"], "cached_share": cached / prompt if prompt else 0.0}
+    return {"setup": setup, **summarize(point), "cached_share": cached / prompt if prompt else 0.0}
 
 
 def main() -> None:
@@ -106,8 +75,7 @@ def main() -> None:
     runs = []
     for i in range(a.rounds):
         for setup in a.setups if i % 2 == 0 else reversed(a.setups):
-            with tempfile.TemporaryDirectory(prefix=f"ingress-{setup}-") as d:
-                r = run(setup, Path(d)) | {"round": i + 1}
+            r = run(setup) | {"round": i + 1}
             print(json.dumps(r), flush=True)
             runs.append(r)
     keys = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "output_tok_s", "cached_share")
@@ -115,12 +83,9 @@ def main() -> None:
     print(f"\n{'setup':<14}" + "".join(f"{k:>14}" for k in keys))
     for s, m in medians.items():
         print(f"{s:<14}" + "".join(f"{m[k]:>14.3f}" for k in keys))
-    flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("flags")), [])
     if a.json:
         a.json.write_text(json.dumps({"runs": runs, "medians": medians, "cpus": os.cpu_count(),
-                                      "cpu_flags": [f for f in flags if f.startswith(("avx", "amx"))],
-                                      "machine": platform.machine()}, indent=1))
+                                      "cpu_flags": cpu_flags()}, indent=1))
 
 
 if __name__ == "__main__":
