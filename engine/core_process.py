@@ -41,10 +41,10 @@ pulls from the pages a prefill engine wrote. The
 child exits when the socket closes or its parent changes (the replica died): it is
 never an orphan that holds a core.
 
-With `engine.share_cores` the child sizes its thread team before each step to the
-cores the other busy engine cores of this machine leave (engine/core_share.py), up to
-`threads`. With `DUET_STEP_TRACE` set it appends one line per step to a trace
-(engine/step_trace.py).
+With `engine.share_cores` the child sizes its thread team before each step, and
+again between the step's layers, to the cores the other busy engine cores of this
+machine leave (engine/core_share.py), up to `threads`. With `DUET_STEP_TRACE` set it
+appends one line per step to a trace (engine/step_trace.py).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ import pickle
 import sys
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -126,6 +127,9 @@ class _Core:
             engine.on_export = self._exported
         self.parent = os.getppid()
         self.cores = cores
+        self.team_layers: Counter[int] = Counter()  # this step's layers by the team that ran them
+        if cores is not None:
+            engine.model.between_layers = self._follow_cores
         self.trace = StepTrace.from_env(engine.role)
 
     def run(self) -> None:
@@ -140,10 +144,13 @@ class _Core:
             if self.engine.has_unfinished():
                 if self.cores is not None:
                     self._use_threads(self.cores.busy())
+                self.team_layers.clear()
+                self.team_layers[torch.get_num_threads()] += 1
                 began = time.monotonic()
                 outputs = self.engine.step()
-                if self.trace is not None:
-                    self.trace.record(began, time.monotonic() - began, torch.get_num_threads(), len(outputs))
+                if self.trace is not None:  # the team that ran most of the step's layers
+                    team = self.team_layers.most_common(1)[0][0]
+                    self.trace.record(began, time.monotonic() - began, team, len(outputs))
                 self._send_step(outputs)
             elif self.changed:  # e.g. blocks reserved or released: the stats moved
                 self._send_step([])
@@ -155,6 +162,14 @@ class _Core:
     def _use_threads(n: int) -> None:
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
+
+    def _follow_cores(self) -> None:
+        """Between two layers of a step: take the cores another engine just left, or give
+        back the one it just took."""
+        assert self.cores is not None
+        n = self.cores.threads_now()
+        self._use_threads(n)
+        self.team_layers[n] += 1
 
     def _read_commands(self, timeout: float) -> bool:
         """Run every command that has arrived, waiting up to `timeout` for the first;

@@ -11,7 +11,10 @@ machine and user, and writes there when it last started a step (0 while it waits
 work). Before each step an engine counts the others that are busy now and sizes its
 team to the cores they leave: `threads` when it is alone, its share when both pools
 are busy. At one request in flight the prefill step and the decode steps each get
-every core, as one aggregated engine's would.
+every core, as one aggregated engine's would. Between the layers of a step it counts
+again (`threads_now`, from the model's `between_layers` hook), so a decode step takes
+back the core a prefill step just left, or gives it up to one that just started,
+within a layer rather than at its next step.
 
 A slot whose step started over `BUSY_FOR_S` ago counts as idle (an engine that died
 mid-step frees its cores that way); a slot whose process is gone is taken by the
@@ -61,6 +64,7 @@ class CoreShare:
         finally:
             os.close(fd)
         self._busy = False
+        self._others: list[int] = []  # offsets of the other live slots, as of the last busy()
 
     def _claim(self) -> int:
         for slot in range(SLOTS):
@@ -77,10 +81,29 @@ class CoreShare:
         self._busy = True
         stale = now - int(BUSY_FOR_S * 1e9)
         others = 0
+        self._others = []
         for slot in range(SLOTS):
             if slot != self._slot:
                 pid, since = _SLOT.unpack_from(self._table, slot * _SLOT.size)
-                others += pid != 0 and since > stale
+                if pid != 0:
+                    self._others.append(slot * _SLOT.size)
+                    others += since > stale
+        return max(1, min(self.max_threads, self.cores - others))
+
+    def threads_now(self) -> int:
+        """How many threads this busy engine may run now, read in the middle of a step.
+
+        A step of tens of milliseconds outlives the other engine's state: a decode step
+        sized while a prefill step ran would finish on one core after that prefill
+        ended, and one sized while prefill idled would run on both cores beside a
+        prefill that started. Read between layers, a team follows the other engines
+        within a layer. Only the slots that held a process at the step's start are
+        read (an engine that starts mid-step counts from the next step on): ~0.3 us.
+        """
+        stale = time.monotonic_ns() - int(BUSY_FOR_S * 1e9)
+        others = 0
+        for offset in self._others:
+            others += _SLOT.unpack_from(self._table, offset)[1] > stale
         return max(1, min(self.max_threads, self.cores - others))
 
     def idle(self) -> None:

@@ -12,6 +12,8 @@ products of several rows use, and on two threads or more all of them
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -103,6 +105,9 @@ class LlamaModel:
         self.rope_cos = emb.cos().to(device=device, dtype=dtype)
         self.rope_sin = emb.sin().to(device=device, dtype=dtype)
         self.scale = cfg.head_dim**-0.5
+        # Called before every layer but the first: an engine core that shares its
+        # machine's cores resizes its thread team there (engine/core_share.py).
+        self.between_layers: Callable[[], None] | None = None
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -122,7 +127,11 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(positions)
         t = input_ids.shape[0]
-        for (ln1, w_qkv, w_o, ln2, w_gate_up, w_down), (k_cache, v_cache) in zip(self.layers, kv_layers):
+        between_layers = self.between_layers
+        for i, (weights, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_layers)):
+            if between_layers is not None and i:
+                between_layers()
+            ln1, w_qkv, w_o, ln2, w_gate_up, w_down = weights
             x = rms_norm(h, ln1, cfg.rms_norm_eps)
             qkv = matmul(x, w_qkv)
             # RoPE on Q and K together: they are adjacent in the fused projection.

@@ -29,7 +29,7 @@ ENV = "DUET_STEP_TRACE"
 class StepRecord:
     start: float  # time.monotonic() when the step began
     seconds: float
-    threads: int  # the OpenMP team the step ran on
+    threads: int  # the OpenMP team the step ran on (most of its layers, where the team changed between them)
     sequences: int  # sequences that produced output in this step
 
 

@@ -41,6 +41,19 @@ def test_a_busy_neighbour_takes_its_share_and_an_idle_one_lends_it(table):
     decode.close()
 
 
+def test_a_team_follows_its_neighbour_in_the_middle_of_a_step(table):
+    prefill = CoreShare(max_threads=2, path=table, cores=2)
+    decode = CoreShare(max_threads=2, path=table, cores=2)
+    assert decode.busy() == 2  # a decode step starts alone
+    assert decode.threads_now() == 2
+    prefill.busy()  # a prefill step starts inside it: decode hands a core back
+    assert decode.threads_now() == 1
+    prefill.idle()  # and takes it again when that prefill step ends
+    assert decode.threads_now() == 2
+    prefill.close()
+    decode.close()
+
+
 def test_never_fewer_than_one_thread(table):
     others = [CoreShare(max_threads=1, path=table, cores=2) for _ in range(3)]
     for o in others:

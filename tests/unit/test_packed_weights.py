@@ -87,3 +87,42 @@ def test_an_engine_with_packed_weights_generates_what_one_without_does(packed, p
     assert generate(packed_engine) == generate(plain)
     text = plain.tokenizer.encode("The history of the Roman Empire spans many centuries.")
     torch.testing.assert_close(packed_engine.score(text), plain.score(text), rtol=1e-4, atol=1e-3)
+
+
+def test_a_team_resized_between_layers_computes_what_a_steady_one_does(two_thread_engine):
+    """An engine core that shares its cores (engine/core_share.py) changes its team
+    between two layers of one step. The products do not depend on the team: the same
+    tokens and scores as a team that never changes, and the hook runs between every
+    two layers."""
+    engine = two_thread_engine
+    prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "Count to five: one,")]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    text = engine.tokenizer.encode("The history of the Roman Empire spans many centuries.")
+
+    def run() -> tuple[list[list[int]], torch.Tensor]:
+        ids = [engine.add_request(p, sp) for p in prompts]
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return [out[i] for i in ids], engine.score(text)
+
+    steady_tokens, steady_scores = run()
+    threads = torch.get_num_threads()
+    calls = 0
+
+    def resize() -> None:
+        nonlocal calls
+        calls += 1
+        torch.set_num_threads(1 + calls % 2)
+
+    engine.model.between_layers = resize
+    try:
+        tokens, scores = run()
+    finally:
+        engine.model.between_layers = None
+        torch.set_num_threads(threads)
+    assert tokens == steady_tokens
+    torch.testing.assert_close(scores, steady_scores, rtol=1e-4, atol=1e-3)
+    forwards = calls // (engine.model.cfg.num_layers - 1)
+    assert calls == forwards * (engine.model.cfg.num_layers - 1) and forwards >= 10
