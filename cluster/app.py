@@ -130,14 +130,15 @@ def build_app(cfg: ClusterConfig):
         gateway_opts["autoscaling_config"] = signal_only_autoscaling(1, 1, 1, interval)
     gateway = Gateway.options(**gateway_opts)
     gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump(),
-                    "telemetry": _telemetry(cfg), "slo": cfg.slo.model_dump()}
+                    "telemetry": _telemetry(cfg), "slo": cfg.slo.model_dump(),
+                    "ingress_routed": cfg.routes_at_ingress()}
     routers = router_configs(cfg)
     prefix_index = PrefixIndexConfig.model_validate(cfg.router.model_dump(include=set(PrefixIndexConfig.model_fields)))
     if cfg.mode == "aggregated" and cfg.gateway.colocate:
         colocated = {**_pool_args(cfg, cfg.aggregated), "engine_process": cfg.aggregated.engine_process is not False}
         if cfg.routes_at_ingress():  # the router follows the replicas' KV events
             colocated["prefix_index"] = prefix_index.model_dump()
-        return _with_ingress_router(cfg, _colocated(cfg, "aggregated", gateway_env, routers=routers).bind(
+        return _with_ingress_router(cfg, _colocated(cfg, gateway_env, routers=routers).bind(
             **gateway_args, colocated=colocated), gateway_env)
     if cfg.mode == "aggregated":
         aggregated_opts = _options("aggregated", cfg.aggregated)
@@ -167,7 +168,7 @@ def build_app(cfg: ClusterConfig):
     pd_args = {"disaggregation": cfg.router.disaggregation.model_dump(), "transfer_timeout_s": cfg.transfer.timeout_s}
     if cfg.gateway.colocate:
         return _with_ingress_router(cfg, _colocated(
-            cfg, "decode", gateway_env, drain_at_least_s=lease_drain_s, routers=routers,
+            cfg, gateway_env, drain_at_least_s=lease_drain_s, routers=routers,
         ).bind(**gateway_args, **pd_args, prefill=prefill, colocated=decode_args), gateway_env)
     decode_opts = _options("decode", cfg.decode, drain_at_least_s=lease_drain_s)
     if routers:
@@ -190,15 +191,17 @@ def _with_ingress_router(cfg: ClusterConfig, pool, env: dict):
     return pool._with_ingress_request_router(router)
 
 
-def _colocated(cfg: ClusterConfig, name: str, env: dict, drain_at_least_s: float = 0.0,
+def _colocated(cfg: ClusterConfig, env: dict, drain_at_least_s: float = 0.0,
                routers: dict[str, RequestRouterConfig] | None = None):
-    """`gateway.colocate`: the gateway as one deployment with the pool `name` (aggregated,
-    or decode), named after the pool and sized by it: each replica runs the gateway and
+    """`gateway.colocate`: the gateway as one deployment with the pool that streams the
+    tokens (`ClusterConfig.ingress_deployment`: aggregated, or decode), named after the
+    pool and sized by it: each replica runs the gateway and
     that pool's engine, and streams the tokens it makes. Serve's proxy (or HAProxy)
     hands each HTTP request to one of them by load, unless the ingress request router
     chooses (`_with_ingress_router`) with the pool's router from `routers`. A colocated
     decode replica's own handle to its deployment (the others, for migrations and
     moves) uses that router too."""
+    name = cfg.ingress_deployment()
     pool = cfg.pools()[name]
     opts = _options(name, pool, drain_at_least_s)
     opts["ray_actor_options"]["num_cpus"] = pool.num_cpus + cfg.gateway.num_cpus

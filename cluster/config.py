@@ -81,6 +81,14 @@ class ClusterConfig(Strict):
         several = pool.replicas > 1 if pool.scaling == "fixed" else pool.autoscaling.max_replicas > 1
         return self.mode == "aggregated" and several and self.router.policy == "kv_aware"
 
+    def ingress_deployment(self) -> str:
+        """The deployment that takes the HTTP requests: with `gateway.colocate` the pool
+        whose replicas stream the tokens (aggregated, or decode in P/D), else the
+        gateway's own (routing/openai/gateway.py names it so)."""
+        if self.gateway.colocate:
+            return "aggregated" if self.mode == "aggregated" else "decode"
+        return "gateway"
+
     def routes_at_ingress(self) -> bool:
         """Whether HAProxy asks the ingress request router (routing/router/ingress.py)
         which colocated replica (aggregated, or decode in P/D) takes each request: the

@@ -95,7 +95,7 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
     url = f"http://{'127.0.0.1' if cfg.gateway.host == '0.0.0.0' else cfg.gateway.host}:{cfg.gateway.port}"
     wait_ready(url, ready_timeout)
     if cfg.gateway.ingress == "haproxy" and not address:  # this machine's HAProxy: the one Ray started here
-        wait_haproxy_servers(_ingress_deployment(cfg), HAPROXY_SERVERS_WAIT_S)
+        wait_haproxy_servers(cfg.ingress_deployment(), HAPROXY_SERVERS_WAIT_S)
     return url
 
 
@@ -134,13 +134,6 @@ def _scaling(pool) -> str:
 HAPROXY_STATS_PORT = int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404"))
 # HAProxy reloads within about a second of a change; past this, serving goes on anyway.
 HAPROXY_SERVERS_WAIT_S = 15.0
-
-
-def _ingress_deployment(cfg: ClusterConfig) -> str:
-    """The deployment whose replicas HAProxy forwards to: the colocated pool, else the gateway."""
-    if cfg.gateway.colocate:
-        return "aggregated" if cfg.mode == "aggregated" else "decode"
-    return "gateway"  # routing/openai/gateway.py names its deployment so
 
 
 def servers_up(stats_csv: str, deployment: str) -> int:

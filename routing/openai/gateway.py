@@ -117,6 +117,7 @@ class Gateway:
         self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None, telemetry: dict | None = None,
         slo: dict | None = None, disaggregation: dict | None = None,
         transfer_timeout_s: float = TransferConfig().timeout_s, colocated: dict | None = None,
+        ingress_routed: bool = False,
     ):
         """`gateway`, `engine`, `telemetry`, `slo` and `disaggregation` are a dumped
         `GatewayConfig`, the pools' `EngineConfig`, a `TelemetryConfig`, an `SLOConfig`
@@ -127,8 +128,13 @@ class Gateway:
         `colocated` (`gateway.colocate`) holds the arguments of the pool server this
         replica runs itself, so the replica that makes the tokens streams them: an
         `AggregatedServer` (aggregated mode, no `aggregated` handle), or, beside the
-        `prefill` handle, a `DecodeServer` whose deployment this replica is."""
+        `prefill` handle, a `DecodeServer` whose deployment this replica is.
+
+        `ingress_routed` (`ClusterConfig.routes_at_ingress`): HAProxy asks the ingress
+        request router which replica takes each request, and sets the router's answer
+        as a header after it drops any copy a client sent."""
         self.cfg = GatewayConfig.model_validate(gateway)
+        self.ingress_routed = ingress_routed
         self.engine_cfg = EngineConfig.model_validate(engine)
         self.mode = "disaggregated" if prefill is not None else "aggregated"
         role = "aggregated" if self.mode == "aggregated" else "decode"
@@ -341,8 +347,9 @@ class Gateway:
     def _ingress_route(self, request: Request) -> tuple[str, int] | None:
         """(reason, prefix blocks) of the ingress request router's choice of this replica,
         from the header HAProxy set (routing/router/ingress.py); None without one, or
-        where no HAProxy stands in front to strip a client's copy of it."""
-        if not (self.cfg.colocate and self.cfg.ingress == "haproxy"):
+        where no ingress request router stands in front: without one HAProxy passes a
+        client's copy of the header through."""
+        if not self.ingress_routed:
             return None
         reason, _, blocks = request.headers.get(ROUTE_HEADER, "").partition(" ")
         return (reason, int(blocks)) if reason and blocks.isdigit() else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import load_config
-from cluster.serve_cli import _ingress_deployment, servers_up
+from cluster.serve_cli import servers_up
 
 pytestmark = pytest.mark.unit
 
@@ -31,6 +31,6 @@ def test_the_replicas_haproxy_forwards_to_are_counted_once_each_and_only_when_up
 
 
 def test_the_ingress_deployment_is_the_colocated_pool_or_the_gateway():
-    assert _ingress_deployment(load_config(overrides={"mode": "aggregated", "gateway.colocate": True})) == "aggregated"
-    assert _ingress_deployment(load_config(overrides={"gateway.colocate": True})) == "decode"
-    assert _ingress_deployment(load_config()) == "gateway"
+    assert load_config(overrides={"mode": "aggregated", "gateway.colocate": True}).ingress_deployment() == "aggregated"
+    assert load_config(overrides={"gateway.colocate": True}).ingress_deployment() == "decode"
+    assert load_config().ingress_deployment() == "gateway"

@@ -152,6 +152,7 @@ def test_several_colocated_aggregated_replicas_behind_haproxy_are_chosen_by_the_
     assert router.init_kwargs["pool"] is app
     assert router.init_kwargs["gateway"] == cfg.gateway.model_dump()
     assert router.init_kwargs["engine"] == cfg.engine.model_dump()
+    assert pool.init_kwargs["ingress_routed"] is True  # the route header is HAProxy's: the span reads it
     # What Serve's build task gets: the size travels apart, the router still does.
     assert build_app(cluster_config_of(serve_config(cfg)))._ingress_request_router is not None
     # With Serve's default policy: no router, and HAProxy balances by load.
@@ -159,6 +160,8 @@ def test_several_colocated_aggregated_replicas_behind_haproxy_are_chosen_by_the_
                                             "gateway.ingress": "haproxy", "router.policy": "default"}))
     assert getattr(balanced, "_ingress_request_router", None) is None
     assert "prefix_index" not in balanced._bound_deployment.init_kwargs["colocated"]
+    # No router to set the route header: a client's copy of it would pass HAProxy.
+    assert balanced._bound_deployment.init_kwargs["ingress_routed"] is False
 
 
 def test_a_colocated_gateway_in_pd_mode_is_the_decode_pool_itself():
@@ -185,3 +188,5 @@ def test_a_colocated_gateway_in_pd_mode_is_the_decode_pool_itself():
     assert routed._bound_deployment._deployment_config.request_router_config.request_router_class.endswith(
         "KVAwareDecodeRouter")
     assert routed._ingress_request_router._bound_deployment.init_kwargs["pool"] is routed
+    assert routed._bound_deployment.init_kwargs["ingress_routed"] is True
+    assert kwargs["ingress_routed"] is False
