@@ -63,6 +63,39 @@ async def test_concurrent_greedy_requests_match_the_engine_on_a_thread(core, mak
     assert core.stats.kv_blocks_total == 512 and core.take_kv_events()
 
 
+async def test_a_child_that_shares_its_cores_with_a_busy_neighbour_generates_the_same_tokens(make_engine):
+    """`engine.share_cores`: the child resizes its team before each step and between
+    layers while a neighbour on the machine's table turns busy and idle. The tokens do
+    not depend on the team."""
+    from engine.core_share import CoreShare
+
+    neighbour = CoreShare(max_threads=1)
+    client = EngineCoreClient(CFG.replace(share_cores=True), "aggregated", threads=2)
+    stop = asyncio.Event()
+
+    async def flip() -> None:
+        for i in range(100_000):  # bounded: the generation below ends long before
+            if stop.is_set():
+                return
+            neighbour.busy() if i % 2 == 0 else neighbour.idle()
+            await asyncio.sleep(0.001)
+
+    flipping = asyncio.create_task(flip())
+    try:
+        got = await asyncio.gather(*[_tokens(client, f"s{i}", p) for i, p in enumerate(PROMPTS)])
+    finally:
+        stop.set()
+        await flipping
+        client.shutdown()
+        neighbour.close()
+    ae = AsyncEngine(make_engine())
+    try:
+        want = [await _tokens(ae, f"t{i}", p) for i, p in enumerate(PROMPTS)]
+    finally:
+        ae.shutdown()
+    assert got == want and all(len(t) == GREEDY.max_tokens for t in got)
+
+
 async def test_bad_input_is_refused_by_name_and_the_others_carry_on(core):
     good = asyncio.create_task(_tokens(core, "ok", PROMPTS[0]))
     with pytest.raises(InvalidRequest) as e:
