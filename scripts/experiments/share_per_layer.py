@@ -48,15 +48,15 @@ def _share(table: str):
 
     cores = CoreShare(2, path=Path(table))
 
-    def follow() -> None:
-        n = cores.threads_now()
+    def use(n: int) -> None:
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
 
-    def busy() -> None:
-        n = cores.busy()
-        if n != torch.get_num_threads():
-            torch.set_num_threads(n)
+    def follow() -> None:  # between layers, as engine/core_process.py does
+        use(cores.threads_now())
+
+    def busy() -> None:  # before a step
+        use(cores.busy())
 
     return cores, follow, busy
 

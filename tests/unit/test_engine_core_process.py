@@ -50,14 +50,18 @@ async def _wait_for(predicate, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_concurrent_greedy_requests_match_the_engine_on_a_thread(core, make_engine):
-    got = await asyncio.gather(*[_tokens(core, f"p{i}", p) for i, p in enumerate(PROMPTS)])
+async def _on_a_thread(make_engine) -> list[list[int]]:
+    """PROMPTS' greedy tokens from the engine on a thread of this process."""
     ae = AsyncEngine(make_engine())
     try:
-        want = [await _tokens(ae, f"t{i}", p) for i, p in enumerate(PROMPTS)]
+        return [await _tokens(ae, f"t{i}", p) for i, p in enumerate(PROMPTS)]
     finally:
         ae.shutdown()
-    assert got == want and all(len(t) == GREEDY.max_tokens for t in got)
+
+
+async def test_concurrent_greedy_requests_match_the_engine_on_a_thread(core, make_engine):
+    got = await asyncio.gather(*[_tokens(core, f"p{i}", p) for i, p in enumerate(PROMPTS)])
+    assert got == await _on_a_thread(make_engine) and all(len(t) == GREEDY.max_tokens for t in got)
     # One message per step carries the stats and the KV events the replica publishes.
     await _wait_for(lambda: core.stats.num_requests == 0)
     assert core.stats.kv_blocks_total == 512 and core.take_kv_events()
@@ -88,12 +92,7 @@ async def test_a_child_that_shares_its_cores_with_a_busy_neighbour_generates_the
         await flipping
         client.shutdown()
         neighbour.close()
-    ae = AsyncEngine(make_engine())
-    try:
-        want = [await _tokens(ae, f"t{i}", p) for i, p in enumerate(PROMPTS)]
-    finally:
-        ae.shutdown()
-    assert got == want and all(len(t) == GREEDY.max_tokens for t in got)
+    assert got == await _on_a_thread(make_engine) and all(len(t) == GREEDY.max_tokens for t in got)
 
 
 async def test_bad_input_is_refused_by_name_and_the_others_carry_on(core):
