@@ -195,12 +195,12 @@ def _colocated(cfg: ClusterConfig, env: dict, drain_at_least_s: float = 0.0,
                routers: dict[str, RequestRouterConfig] | None = None):
     """`gateway.colocate`: the gateway as one deployment with the pool that streams the
     tokens (`ClusterConfig.ingress_deployment`: aggregated, or decode), named after the
-    pool and sized by it: each replica runs the gateway and
-    that pool's engine, and streams the tokens it makes. Serve's proxy (or HAProxy)
-    hands each HTTP request to one of them by load, unless the ingress request router
-    chooses (`_with_ingress_router`) with the pool's router from `routers`. A colocated
-    decode replica's own handle to its deployment (the others, for migrations and
-    moves) uses that router too."""
+    pool and sized by it: each replica runs the gateway and that pool's engine, and
+    streams the tokens it makes. Serve's proxy (or HAProxy) hands each HTTP request to
+    one of them by load, unless the ingress request router chooses
+    (`_with_ingress_router`) with the pool's router from `routers`. A colocated decode
+    replica's own handle to its deployment (the others, for migrations and moves) uses
+    that router too."""
     name = cfg.ingress_deployment()
     pool = cfg.pools()[name]
     opts = _options(name, pool, drain_at_least_s)
