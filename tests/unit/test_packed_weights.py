@@ -63,6 +63,19 @@ def two_thread_engine() -> Engine:
     return engine
 
 
+SCORED = "The history of the Roman Empire spans many centuries."
+
+
+def _generate(engine: Engine, prompts: list[list[int]], sp: SamplingParams) -> list[list[int]]:
+    """Every prompt's tokens, the prompts in one batch."""
+    ids = [engine.add_request(p, sp) for p in prompts]
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return [out[i] for i in ids]
+
+
 @pytest.mark.parametrize("packed", ["base_engine", "two_thread_engine"])
 def test_an_engine_with_packed_weights_generates_what_one_without_does(packed, plain_engine, request):
     """base_engine packs (fp32 on the CPU, `auto`) on one thread, keeping the plain copy
@@ -75,17 +88,8 @@ def test_an_engine_with_packed_weights_generates_what_one_without_does(packed, p
     prompts = [plain.tokenizer.encode(t) for t in ("The capital of France is", "Bees make honey by",
                                                      "Once upon a time, a fox", "Count to five: one,")]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-    def generate(engine: Engine) -> list[list[int]]:
-        ids = [engine.add_request(p, sp) for p in prompts]
-        out: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return [out[i] for i in ids]
-
-    assert generate(packed_engine) == generate(plain)
-    text = plain.tokenizer.encode("The history of the Roman Empire spans many centuries.")
+    assert _generate(packed_engine, prompts, sp) == _generate(plain, prompts, sp)
+    text = plain.tokenizer.encode(SCORED)
     torch.testing.assert_close(packed_engine.score(text), plain.score(text), rtol=1e-4, atol=1e-3)
 
 
@@ -97,15 +101,10 @@ def test_a_team_resized_between_layers_computes_what_a_steady_one_does(two_threa
     engine = two_thread_engine
     prompts = [engine.tokenizer.encode(t) for t in ("The capital of France is", "Count to five: one,")]
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    text = engine.tokenizer.encode("The history of the Roman Empire spans many centuries.")
+    text = engine.tokenizer.encode(SCORED)
 
     def run() -> tuple[list[list[int]], torch.Tensor]:
-        ids = [engine.add_request(p, sp) for p in prompts]
-        out: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return [out[i] for i in ids], engine.score(text)
+        return _generate(engine, prompts, sp), engine.score(text)
 
     steady_tokens, steady_scores = run()
     threads = torch.get_num_threads()
