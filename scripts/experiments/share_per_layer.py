@@ -27,25 +27,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.sampling_params import SamplingParams
 
-def _engine(blocks: int):
+
+def _start(table: str, blocks: int, loaded):
+    """A worker's engine (two threads, warmed up) and its slot in the table; tells the
+    parent it is ready. Returns the engine, the slot, and the team sizing to call
+    between layers (`follow`) and before each step (`busy`)."""
     import torch
 
     from engine.async_engine import warm_up
     from engine.config import EngineConfig
+    from engine.core_share import CoreShare
     from engine.engine import Engine
 
     torch.set_num_threads(2)
     engine = Engine(EngineConfig(num_kv_blocks=blocks))
     warm_up(engine)
-    return engine
-
-
-def _share(table: str):
-    import torch
-
-    from engine.core_share import CoreShare
-
     cores = CoreShare(2, path=Path(table))
 
     def use(n: int) -> None:
@@ -58,15 +56,12 @@ def _share(table: str):
     def busy() -> None:  # before a step
         use(cores.busy())
 
-    return cores, follow, busy
+    loaded.release()
+    return engine, cores, follow, busy
 
 
 def _decode(table: str, a: argparse.Namespace, phase, per_layer, loaded, ready, out) -> None:
-    from engine.sampling_params import SamplingParams
-
-    engine = _engine(a.batch * 64)
-    cores, follow, busy = _share(table)
-    loaded.release()
+    engine, cores, follow, busy = _start(table, a.batch * 64, loaded)
     rng = random.Random(1)
     sp = SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True)
     ready.wait()
@@ -93,11 +88,7 @@ def _decode(table: str, a: argparse.Namespace, phase, per_layer, loaded, ready, 
 
 
 def _prefill(table: str, a: argparse.Namespace, phase, per_layer, loaded, ready, out) -> None:
-    from engine.sampling_params import SamplingParams
-
-    engine = _engine(a.prompts * (a.prompt_len // 16 + 2) * 2)
-    cores, follow, busy = _share(table)
-    loaded.release()
+    engine, cores, follow, busy = _start(table, a.prompts * (a.prompt_len // 16 + 2) * 2, loaded)
     rng = random.Random(2)
     sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     ready.wait()
