@@ -4,10 +4,11 @@ With `gateway.colocate`, each replica that decodes (aggregated, or decode in P/D
 runs the gateway and is the HTTP ingress itself, so the replica that makes a request's
 tokens streams them. With `gateway.ingress: haproxy` (Serve's HAProxy ingress), HAProxy
 forwards each connection straight to one such replica's own HTTP server. Before it
-forwards a POST, it asks this deployment where to send it: `POST /internal/route`, carrying the request's body
-(`RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1`, which `duet serve` and the chart
-set), its `x-session-id` and `x-request-id`, and nothing else: no path, no
-Authorization. The answer names one replica; HAProxy pins the request to it.
+forwards a POST, it asks this deployment where to send it: `POST /internal/route`,
+carrying the request's body (`RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1`, which
+`duet serve` and the chart set), its `x-session-id` and `x-request-id`, and nothing
+else: no path, no Authorization. The answer names one replica; HAProxy pins the
+request to it.
 
 This renders the body's prompt exactly as the gateway will (routing/openai/prompts.py)
 and asks the pool's own KV-aware router to choose, through a handle in this process
@@ -17,10 +18,9 @@ longest cached prefix (from the replicas' KV events: an aggregated pool's always
 decode pool's unless `router.disaggregation.mode` is `always`), else the least loaded
 (sequences running, KV blocks free). It only picks; HAProxy sends the request, so the
 router counts a pick as load for a short window, after which the replica's own
-reports count it (serve_routers.PICK_ONLY). Its answer
-also tells the chosen replica why, in a header HAProxy sets on the request
-(`ROUTE_HEADER`: the decision's reason and the prefix blocks it holds), which the
-gateway there puts on the request's span.
+reports count it (serve_routers.PICK_ONLY). Its answer also tells the chosen replica
+why, in a header HAProxy sets on the request (`ROUTE_HEADER`: the decision's reason
+and the prefix blocks it holds), which the gateway there puts on the request's span.
 
 What it cannot see it does not guess. A body it cannot read as a completion or chat
 request, or one the gateway will refuse, is routed by load alone, and the replica
