@@ -95,6 +95,8 @@ _PICK_ONLY_WINDOW_S = 2.0
 PICK_ONLY = "duet_pick_only"
 # Pick-only decisions kept for the picker to read back (`take_pick`), oldest dropped first.
 _PICKS_KEPT = 1024
+# Completions of calls not (yet) seen routed, kept to match a late `on_request_routed`.
+_DONE_BEFORE_ROUTED_KEPT = 1024
 
 
 def replica_key(replica_id: ReplicaID) -> str:
@@ -144,6 +146,13 @@ class _LoadTracking:
         self._running_on: dict[str, str] = {}
         # Internal id -> decision of a pick-only choice, until its picker reads it.
         self._picks: OrderedDict[str, RoutingDecision] = OrderedDict()
+        # Internal id -> replica of a call that completed before Serve said it was routed.
+        # Serve registers a call's done-callback before it reads the replica's accept, and
+        # a short call can finish in between (half of a burst of `stats` calls did; a
+        # failed import can). Counted as routed after that, it would stay load on its
+        # replica for good, and the router would steer around that replica. Cleared by a
+        # new decision for the same call (Serve routes a rejected call again).
+        self._done_before_routed: OrderedDict[str, str] = OrderedDict()
 
     def _observe(self, decision: RoutingDecision, parent: dict | None, started: float, matched: int = 0) -> None:
         """Count the decision and trace it as a `route <pool>` span of the request."""
@@ -195,6 +204,7 @@ class _LoadTracking:
         for rid in [rid for rid, p in self._planned.items() if p.expires_at < now]:
             del self._planned[rid]  # decided, never sent (cancelled first), or picked only
         counted = tokens if counted is None else counted
+        self._done_before_routed.pop(pr.metadata.internal_request_id, None)  # a new try of that call
         window = _PICK_ONLY_WINDOW_S if pr.kwargs.get(PICK_ONLY) else _COMPLETED_WINDOW_S
         self._planned[pr.metadata.internal_request_id] = _Planned(key, _request_id(pr), tokens, counted,
                                                                   now + window)
@@ -214,12 +224,15 @@ class _LoadTracking:
         rid = pending_request.metadata.internal_request_id
         key = replica_key(replica_id)
         planned = self._planned.pop(rid, None)
+        request_id = _request_id(pending_request)
+        if request_id is None:
+            return  # a call that carries no request (`stats`): no load to count
+        if self._done_before_routed.pop(rid, None) == key:
+            return  # it already completed there
         tokens = planned.tokens if planned is not None and planned.key == key else 0
         self._inflight.setdefault(key, _InFlight()).tokens[rid] = tokens
-        request_id = _request_id(pending_request)
         self._sent[rid] = (request_id, planned.counted if planned is not None else 0)
-        if request_id is not None:
-            self._running_on[request_id] = key
+        self._running_on[request_id] = key
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._planned.pop(internal_request_id, None)
@@ -230,6 +243,9 @@ class _LoadTracking:
             del self._running_on[request_id]
         flight = self._inflight.get(key)
         if flight is None or internal_request_id not in flight.tokens:
+            self._done_before_routed[internal_request_id] = key  # or never routed (rejected)
+            while len(self._done_before_routed) > _DONE_BEFORE_ROUTED_KEPT:
+                self._done_before_routed.popitem(last=False)
             return
         flight.tokens.pop(internal_request_id)
         done = self._completed.setdefault(key, deque())

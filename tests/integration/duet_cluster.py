@@ -622,12 +622,16 @@ def wait_baseline(duet: Duet, pool: str, timeout: float = 120) -> dict[str, dict
     return idle
 
 
-def serving_replica(pool: str) -> str | None:
-    """The one replica of `pool` with a call in flight, by Serve's own count asked of
+def ongoing_requests(pool: str) -> dict[str, int]:
+    """Calls in flight on each live replica of `pool`, by Serve's own count asked of
     each replica's actor directly (a stats call through Serve goes to the least busy
-    replica, never the serving one); None unless exactly one is busy."""
+    replica, never the serving one)."""
     import ray
 
-    busy = [r for r in live_replicas(pool)
-            if ray.get(_replica_actor(r).get_num_ongoing_requests.remote(), timeout=10) > 0]
+    return {r: ray.get(_replica_actor(r).get_num_ongoing_requests.remote(), timeout=10) for r in live_replicas(pool)}
+
+
+def serving_replica(pool: str) -> str | None:
+    """The one replica of `pool` with a call in flight; None unless exactly one is busy."""
+    busy = [r for r, n in ongoing_requests(pool).items() if n > 0]
     return busy[0] if len(busy) == 1 else None

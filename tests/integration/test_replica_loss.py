@@ -15,6 +15,7 @@ from duet_cluster import (
     gateway_counter,
     kill_replica,
     live_replicas,
+    ongoing_requests,
     serving_replica,
     wait_baseline,
     wait_for,
@@ -128,6 +129,9 @@ def test_scaling_down_moves_the_stopped_replicas_sequences_with_their_kv(deploye
         threads.append(threading.Thread(target=client, args=(i,)))
         threads[-1].start()
         assert started[i].wait(120)
+    # A stats call may be in flight beside a stream for a moment: wait it out.
+    wait_for(lambda: sorted(ongoing_requests("decode").values()) == [1, 1], 30,
+             what="one stream on each decode replica")
     migrations = gateway_counter(duet, "duet_migrations_total")
     moves = gateway_counter(duet, "duet_sequence_moves_total")
     assert all(t.is_alive() for t in threads)  # both still decoding as the resize starts

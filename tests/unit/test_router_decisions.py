@@ -133,6 +133,47 @@ def test_a_decision_never_sent_stops_counting():
     assert pr.metadata.internal_request_id not in r._planned
 
 
+def test_a_call_that_completes_before_serve_reports_it_routed_is_not_load():
+    """Serve registers a call's done-callback before it reads the replica's accept, so
+    a short call can complete first. Counted as routed after that, it would be load on
+    its replica for good, and every later decision would avoid that replica."""
+    r = router()
+    a, b = replica("a"), replica("b")
+    r._sync([a, b])
+    chosen, pr = choose(r, [a, b], [5] * 64)
+    replica_id = (a if chosen == "a" else b).replica_id
+    r.on_request_completed(replica_id, pr.metadata.internal_request_id)
+    r.on_request_routed(pr, replica_id, None)
+    assert r._local(f"prefill#{chosen}") == (0, 0) and r.pending() == 0
+
+
+def test_a_rejected_call_routed_again_to_the_same_replica_is_load():
+    """A replica that rejects a call completes it; Serve then routes the same call
+    again, and may send it to that replica: there it runs, and counts."""
+    r = router()
+    a, b = replica("a"), replica("b")
+    r._sync([a, b])
+    chosen, pr = choose(r, [a, b], [5] * 64)
+    replica_id = (a if chosen == "a" else b).replica_id
+    r.on_request_completed(replica_id, pr.metadata.internal_request_id)  # rejected: full
+    assert asyncio.run(r.choose_replicas([a, b], pr))[0][0].replica_id == replica_id
+    r.on_request_routed(pr, replica_id, None)
+    assert r._local(f"prefill#{chosen}") == (64, 1)
+
+
+def test_a_call_that_carries_no_request_is_not_load():
+    """`stats` calls (the gateway's /metrics asks each pool) go through the same
+    router; they are not work a replica queues."""
+    r = router()
+    a = replica("a")
+    r._sync([a])
+    call = SimpleNamespace(metadata=SimpleNamespace(internal_request_id="stats-1", call_method="stats"),
+                           args=(), kwargs={})
+    assert asyncio.run(r.choose_replicas([a], call))[0][0] is a
+    r.on_request_routed(call, a.replica_id, None)
+    assert r._local("prefill#a") == (0, 0) and r.pending() == 0
+
+
 def test_the_decode_router_places_a_request_to_prefill_there_by_its_prompts_blocks():
     """A `PrefillRequest` sent to the decode pool (router.disaggregation) is placed as
     a handoff would be: on a replica with room for its prompt's blocks."""
