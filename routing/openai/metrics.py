@@ -35,12 +35,21 @@ class GatewayMetrics:
             "How far this gateway's router has applied each replica's KV event log (compare the replica's "
             "kv_events_seq)", ["pool", "replica"], registry=self.registry,
         )
+        self.router_in_flight = Gauge(
+            "duet_router_in_flight",
+            "Calls this gateway's router sent to each replica and has not seen complete (the load it adds "
+            "to the replica's own report)", ["pool", "replica"], registry=self.registry,
+        )
 
     def observe_routers(self) -> None:
-        """What this process's routers have of their replicas' KV events (at scrape time)."""
+        """What this process's routers know of their replicas (at scrape time): how far
+        they have applied each one's KV events, and what they have in flight there."""
+        self.router_in_flight.clear()  # a replica that left has no series
         for pool in ("prefill", "decode", "aggregated"):
             for replica, end in view.event_cursors(pool).items():
                 self.event_cursor.labels(pool, replica).set(end)
+            for replica, n in view.in_flight(pool).items():
+                self.router_in_flight.labels(pool, replica).set(n)
 
     def observe_pool(self, pool: str, stats: dict) -> None:
         replica = str(stats.get("replica_id", "?"))

@@ -106,3 +106,16 @@ def event_cursors(pool: str) -> dict[str, int]:
     except RuntimeError:
         return {}
     return {key: end for key, (_, end) in cursors.items()}
+
+
+def in_flight(pool: str) -> dict[str, int]:
+    """Replica → the calls this process's `pool` router sent there and has not seen
+    complete: the load it adds to the replica's own report."""
+    found = _router(pool)
+    if found is None:
+        return {}
+    try:
+        flights = dict(found[0]._inflight)  # written on the router's loop; a copy that races a write is retried
+        return {key: len(flight.tokens) for key, flight in flights.items()}
+    except RuntimeError:
+        return {}

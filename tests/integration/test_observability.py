@@ -234,3 +234,41 @@ def test_metrics_reach_the_ray_metrics_agent_with_pool_and_replica_labels(traced
                         if v > earlier.get(tuple(sorted(lab.items())), 0)}
     assert gateway_replicas and all(r.startswith("gateway#") for r in gateway_replicas), gateway_replicas
     assert _sum(now, "ray_duet_kv_blocks_total", pool="decode") >= TRACED_DECODE_BLOCKS
+
+
+def test_a_burst_of_scrapes_leaves_nothing_in_flight_in_the_routers(traced):
+    """Each gateway `/metrics` asks both pools for their stats through the pools'
+    routers, and Serve can report such a short call complete before it reports it
+    routed: it must not stay in the router's in-flight count (load on its replica for
+    good). Once the burst is over, every replica's count is back to 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    # One request first, so each pool's router has a replica it sent a call to.
+    r = httpx.post(f"{traced.url}/v1/chat/completions", json=CHAT, timeout=120)
+    assert r.status_code == 200, r.text
+
+    def scrape(_: int) -> str:
+        r = httpx.get(f"{traced.url}/metrics", timeout=60)
+        assert r.status_code == 200
+        return r.text
+
+    with ThreadPoolExecutor(8) as pool:
+        pages = list(pool.map(scrape, range(160)))
+    assert "duet_router_in_flight" in pages[-1]
+
+    def in_flight() -> dict[str, float]:
+        families = text_string_to_metric_families(scrape(0))
+        return {f"{s.labels['pool']}/{s.labels['replica']}": s.value
+                for f in families if f.name == "duet_router_in_flight" for s in f.samples}
+
+    seen: dict[str, float] = {}
+
+    def idle() -> bool:
+        seen.clear()
+        seen.update(in_flight())
+        return {key.split("/")[0] for key in seen} == {"prefill", "decode"} and not any(seen.values())
+
+    try:
+        wait_for(idle, 30, what="no call in flight in the gateway's routers")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; last counts {seen}") from None
