@@ -348,7 +348,12 @@ def start_engine(cfg: EngineConfig, role: Role, threads: int, kv_events: bool = 
     if cfg.share_cores:
         log.warning("engine.share_cores: a %s engine on a thread keeps its %d threads (only engine core "
                     "processes share cores)", role, threads)
-    engine = Engine(cfg, role=role)
+    # Built on a thread that ends once it is built: in a process where another live
+    # thread has run parallel torch ops (loading and packing the weights does), every
+    # step on the engine thread took ~24 ms against ~17 (scripts/experiments/
+    # engine_placement.py, docs/benchmarks.md). The replica's event loop stays clear of them.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="duet-engine-build") as builder:
+        engine = builder.submit(Engine, cfg, role=role).result()
     aengine = AsyncEngine(engine, kv_events)
     aengine.submit(lambda: warm_up(engine)).result()
     if external_kv is not None:
