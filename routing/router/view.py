@@ -102,7 +102,7 @@ def event_cursors(pool: str) -> dict[str, int]:
     if found is None or getattr(found[0], "index_kind", None) != "memory":
         return {}
     try:
-        cursors = dict(found[0]._cursors)  # written on the router's loop; a copy that races a write is retried
+        cursors = dict(found[0]._cursors)  # written on the router's loop: a copy that races a write raises
     except RuntimeError:
         return {}
     return {key: end for key, (_, end) in cursors.items()}
@@ -115,7 +115,7 @@ def in_flight(pool: str) -> dict[str, int]:
     if found is None:
         return {}
     try:
-        flights = dict(found[0]._inflight)  # written on the router's loop; a copy that races a write is retried
-        return {key: len(flight.tokens) for key, flight in flights.items()}
+        flights = dict(found[0]._inflight)  # written on the router's loop: a copy that races a write raises
     except RuntimeError:
         return {}
+    return {key: len(flight.tokens) for key, flight in flights.items()}
