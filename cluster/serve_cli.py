@@ -73,7 +73,7 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
         use_haproxy(joining=bool(address) or ray.is_initialized())
     from ray import serve
 
-    from cluster.app import REPLICA_ENV
+    from cluster.app import CONTROLLER_ENV, REPLICA_ENV
     from cluster.serve_config import deploy, deploy_config
 
     if not ray.is_initialized():
@@ -87,7 +87,8 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
                      runtime_env={"env_vars": REPLICA_ENV})
     cfg.check_fits(ray.cluster_resources().get("CPU", 0))
-    serve.start(http_options={"host": cfg.gateway.host, "port": cfg.gateway.port})
+    serve.start(http_options={"host": cfg.gateway.host, "port": cfg.gateway.port},
+                controller_options={"runtime_env": {"env_vars": CONTROLLER_ENV}})
     if serve_config is not None:
         deploy_config(serve_config, ready_timeout)
     else:

@@ -246,22 +246,21 @@ def start_ray() -> None:
     import ray
     from ray import serve
 
-    from cluster.app import REPLICA_ENV
+    from cluster.app import CONTROLLER_ENV, REPLICA_ENV
 
     ray.init(
         address="local",
         num_cpus=4,
         include_dashboard=False,
         logging_level=logging.WARNING,
-        # Serve's controller (an actor of this job) runs its control loop every 0.25 s,
-        # not every 0.1 s: a third less of its CPU, most of it spent while the cluster
-        # waits between tests; replicas and routers hear of a change at most 0.15 s later.
-        runtime_env={"env_vars": {**REPLICA_ENV, "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.25"}},
+        runtime_env={"env_vars": REPLICA_ENV},
         # Replicas' metrics reach this node's agent every second (default 10 s).
         _metrics_export_port=METRICS_PORT,
         _system_config={"metrics_report_interval_ms": 1000},
     )
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    # Serve's controller loop as `duet serve` runs it (cluster/app.py CONTROLLER_ENV).
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT},
+                controller_options={"runtime_env": {"env_vars": CONTROLLER_ENV}})
 
 
 def stop_ray() -> None:

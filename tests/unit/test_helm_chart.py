@@ -41,6 +41,7 @@ from helm_chart import (  # noqa: E402
 )
 from kuberay_rules import rayservice_errors  # noqa: E402
 
+from cluster.app import CONTROLLER_ENV  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.pools import NODE_GROUP_UNITS, node_group_resource  # noqa: E402
 from cluster.serve_config import serve_config  # noqa: E402
@@ -399,3 +400,10 @@ def test_the_haproxy_ingress_is_set_on_every_ray_pod():
             assert {"name": "A", "value": "b"} in env
     for group in ray_pod_groups(render()).values():
         assert haproxy not in group["template"]["spec"]["containers"][0].get("env", [])
+
+
+def test_the_serve_controller_loop_is_the_one_duet_serve_runs():
+    """The controller runs on the head pod and reads its loop interval from there."""
+    loop = [{"name": name, "value": value} for name, value in CONTROLLER_ENV.items()]
+    env = ray_pod_groups(render())["head"]["template"]["spec"]["containers"][0]["env"]
+    assert all(item in env for item in loop)

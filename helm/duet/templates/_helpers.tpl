@@ -88,11 +88,14 @@ num-cpus/num-gpus from its resources, its node groups, Ray's metrics port, then
 {{- toYaml (merge (deepCopy (.extra | default dict)) (deepCopy (.base | default dict)) $p) }}
 {{- end }}
 
-{{/* A Ray pod's container env: the group's own (`env`), and what duet's config needs
-of every Ray process. `gateway.ingress: haproxy` is a Ray cluster setting: Serve reads
+{{/* A Ray pod's container env: the group's own (`env`), Serve's controller loop, and
+what duet's config needs of every Ray process. `gateway.ingress: haproxy` is a Ray cluster setting: Serve reads
 it in each process it starts. Args: dict "env" (the group's list) "root" (the chart). */}}
 {{- define "duet.rayEnv" -}}
 {{- $env := .env | default list -}}
+{{- /* Serve's controller loop as `duet serve` runs it (cluster/app.py CONTROLLER_ENV): the
+controller, on the head, reads it; no other process does */ -}}
+{{- $env = append $env (dict "name" "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" "value" "0.25") -}}
 {{- if eq (dig "gateway" "ingress" "proxy" .root.Values.duet) "haproxy" -}}
 {{- $env = append $env (dict "name" "RAY_SERVE_ENABLE_HA_PROXY" "value" "1") -}}
 {{- /* the drain `duet serve` sets too (cluster/serve_cli.py HAPROXY_DRAIN_S) */ -}}
