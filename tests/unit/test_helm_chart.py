@@ -403,7 +403,11 @@ def test_the_haproxy_ingress_is_set_on_every_ray_pod():
 
 
 def test_the_serve_controller_loop_is_the_one_duet_serve_runs():
-    """The controller runs on the head pod and reads its loop interval from there."""
-    loop = [{"name": name, "value": value} for name, value in CONTROLLER_ENV.items()]
-    env = ray_pod_groups(render())["head"]["template"]["spec"]["containers"][0]["env"]
-    assert all(item in env for item in loop)
+    """The controller runs on the head pod and reads its loop interval from there; a
+    group's own env entry for it replaces the chart's."""
+    def head_env(values=None) -> list[dict]:
+        return ray_pod_groups(render(values))["head"]["template"]["spec"]["containers"][0]["env"]
+
+    assert all({"name": name, "value": value} in head_env() for name, value in CONTROLLER_ENV.items())
+    mine = {"name": "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "value": "0.1"}  # an operator's own wins
+    assert [e for e in head_env(with_values(None, head__env=[mine])) if e["name"] == mine["name"]] == [mine]

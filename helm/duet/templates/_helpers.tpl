@@ -93,9 +93,13 @@ what duet's config needs of every Ray process. `gateway.ingress: haproxy` is a R
 it in each process it starts. Args: dict "env" (the group's list) "root" (the chart). */}}
 {{- define "duet.rayEnv" -}}
 {{- $env := .env | default list -}}
-{{- /* Serve's controller loop as `duet serve` runs it (cluster/app.py CONTROLLER_ENV): the
-controller, on the head, reads it; no other process does */ -}}
+{{- /* Serve's controller loop as `duet serve` runs it (cluster/app.py CONTROLLER_ENV), unless
+the group's env sets it: the controller, on the head, reads it; no other process does */ -}}
+{{- $loopSet := false -}}
+{{- range $env }}{{ if eq .name "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" }}{{ $loopSet = true }}{{ end }}{{ end -}}
+{{- if not $loopSet -}}
 {{- $env = append $env (dict "name" "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" "value" "0.25") -}}
+{{- end -}}
 {{- if eq (dig "gateway" "ingress" "proxy" .root.Values.duet) "haproxy" -}}
 {{- $env = append $env (dict "name" "RAY_SERVE_ENABLE_HA_PROXY" "value" "1") -}}
 {{- /* the drain `duet serve` sets too (cluster/serve_cli.py HAPROXY_DRAIN_S) */ -}}
