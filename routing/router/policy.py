@@ -145,8 +145,14 @@ def choose_prefill(
 
 
 def decode_cost(snapshot: ReplicaSnapshot, config: RouterConfig) -> float:
-    """Running sequences plus a charge for the used fraction of the KV pool."""
-    used = 1.0 - snapshot.free_kv_blocks / snapshot.total_kv_blocks if snapshot.total_kv_blocks else 1.0
+    """Running sequences plus a charge for the used fraction of the KV pool.
+
+    A replica that has not reported yet (`total_kv_blocks` 0) has just started, and a
+    new engine's KV pool is empty: nothing is charged, as the routers count its free
+    blocks as unlimited until it reports. Charging it as full kept a new replica idle
+    until its first report reached the router, a loop or two of Serve's controller
+    later, and sent a burst that came first to the replicas already running."""
+    used = 1.0 - snapshot.free_kv_blocks / snapshot.total_kv_blocks if snapshot.total_kv_blocks else 0.0
     return snapshot.running_requests + config.decode_kv_weight * used
 
 

@@ -154,6 +154,17 @@ def test_decode_by_free_kv_and_running():
     assert (d.replica_id, d.reason) == ("a", "no-fit")
 
 
+def test_a_replica_that_has_not_reported_yet_counts_as_empty():
+    """A decode replica that just started has no report yet (total 0, free unlimited, as
+    the routers fill it in): its KV pool is empty, so it wins over one already running
+    a sequence, as it will once it reports."""
+    cfg = RouterConfig()
+    running = snap("old", running=1, free=230, total=256)
+    new = snap("new", running=0, free=1 << 30, total=0)
+    assert choose_decode([running, new], cfg, blocks_needed=10).replica_id == "new"
+    assert choose_decode([running, snap("new", running=2, free=1 << 30, total=0)], cfg).replica_id == "old"
+
+
 def test_config_rejects_bad_fields():
     with pytest.raises(ValueError, match="temperature"):
         RouterConfig(temperature=-1)
