@@ -39,6 +39,15 @@ def _tpot_ms(times: list[float]) -> float:
     return (times[-1] - times[0]) / (len(times) - 1) * 1e3
 
 
+def main_thread_engine(threads: int) -> tuple[Engine, SamplingParams]:
+    """The engine the other experiments in this folder step on their main thread, warmed
+    up, and the request they time (128 forced output tokens, greedy)."""
+    torch.set_num_threads(threads)
+    engine = Engine(EngineConfig(dtype="float32", device="cpu"), role="aggregated")
+    warm_up(engine)
+    return engine, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+
+
 def stepped(engine: Engine, sampling: SamplingParams, requests: int) -> float:
     """This thread calls `engine.step()` itself: no event loop, no hand-off."""
     tpots = []

@@ -19,14 +19,10 @@ import os
 import threading
 
 import torch
-from engine_placement import stepped  # this folder is on sys.path when a script in it runs
+from engine_placement import main_thread_engine, stepped  # this folder is on sys.path when a script in it runs
 
 from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags
-from engine.async_engine import warm_up
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -35,10 +31,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json")
     a = p.parse_args()
-    sampling = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-    torch.set_num_threads(a.threads)
-    engine = Engine(EngineConfig(dtype="float32", device="cpu"), role="aggregated")
-    warm_up(engine)
+    engine, sampling = main_thread_engine(a.threads)
     tpot: dict[str, float] = {"alone": stepped(engine, sampling, a.requests)}
 
     copied, stop = threading.Event(), threading.Event()

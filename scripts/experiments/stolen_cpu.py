@@ -27,15 +27,10 @@ import subprocess
 import sys
 import time
 
-import torch
-from engine_placement import stepped  # this folder is on sys.path when a script in it runs
+from engine_placement import main_thread_engine, stepped  # this folder is on sys.path when a script in it runs
 
 from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags
-from engine.async_engine import warm_up
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
 
 # The other process: a bare interpreter (no torch, nothing of duet's to import, so its
 # start costs no core while the engine is timed) that says when it runs, then busy for
@@ -64,10 +59,7 @@ def main() -> None:
     p.add_argument("--burner-nice", type=int, default=0, help="the other process's niceness")
     p.add_argument("--json")
     a = p.parse_args()
-    sampling = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-    torch.set_num_threads(a.threads)
-    engine = Engine(EngineConfig(dtype="float32", device="cpu"), role="aggregated")
-    warm_up(engine)
+    engine, sampling = main_thread_engine(a.threads)
     tpot: dict[float, list[float]] = {s: [] for s in a.shares}
     got: dict[float, list[float]] = {s: [] for s in a.shares}  # the share the other process got
     for _ in range(a.rounds):
