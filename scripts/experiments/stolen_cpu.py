@@ -59,11 +59,12 @@ def main() -> None:
     p.add_argument("--burner-nice", type=int, default=0, help="the other process's niceness")
     p.add_argument("--json")
     a = p.parse_args()
+    shares = sorted({0.0, *a.shares})  # alone (0) is the baseline, always measured
     engine, sampling = main_thread_engine(a.threads)
-    tpot: dict[float, list[float]] = {s: [] for s in a.shares}
-    got: dict[float, list[float]] = {s: [] for s in a.shares}  # the share the other process got
+    tpot: dict[float, list[float]] = {s: [] for s in shares}
+    got: dict[float, list[float]] = {s: [] for s in shares}  # the share the other process got
     for _ in range(a.rounds):
-        for share in a.shares:
+        for share in shares:
             if share == 0:
                 tpot[share].append(stepped(engine, sampling, a.requests))
                 continue
@@ -74,9 +75,10 @@ def main() -> None:
             tpot[share].append(stepped(engine, sampling, a.requests))
             wall = time.perf_counter() - began
             burner.kill()
+            burner.stdout.close()
             _, _, usage = os.wait4(burner.pid, 0)  # the CPU it used while the engine ran (and its start, ~20 ms)
             got[share].append((usage.ru_utime + usage.ru_stime) / wall)
-    base = statistics.median(tpot[a.shares[0]])
+    base = statistics.median(tpot[0.0])
     rows = {}
     for share, runs in tpot.items():
         med = statistics.median(runs)
