@@ -39,13 +39,13 @@ def _tpot_ms(times: list[float]) -> float:
     return (times[-1] - times[0]) / (len(times) - 1) * 1e3
 
 
-def main_thread_engine(threads: int) -> tuple[Engine, SamplingParams]:
-    """The engine the other experiments in this folder step on their main thread, warmed
-    up, and the request they time (128 forced output tokens, greedy)."""
+def main_thread_engine(threads: int, output_len: int = 128) -> tuple[Engine, SamplingParams]:
+    """An engine to step on this process's main thread, warmed up, and the request the
+    experiments in this folder time (`output_len` forced output tokens, greedy)."""
     torch.set_num_threads(threads)
     engine = Engine(EngineConfig(dtype="float32", device="cpu"), role="aggregated")
     warm_up(engine)
-    return engine, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    return engine, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
 
 
 def stepped(engine: Engine, sampling: SamplingParams, requests: int) -> float:
@@ -77,16 +77,14 @@ PLACEMENTS = ("main_thread", "side_thread", "child_process")
 
 def _worker(placement: str, threads: int, output_len: int, conn) -> None:
     """Builds one placement's engine, then measures `requests` requests per command."""
-    sampling = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    cfg = EngineConfig(dtype="float32", device="cpu")
     if placement == "main_thread":
-        torch.set_num_threads(threads)
-        engine = Engine(cfg, role="aggregated")
-        warm_up(engine)
+        engine, sampling = main_thread_engine(threads, output_len)
         conn.send("ready")
         while (requests := conn.recv()) is not None:
             conn.send(stepped(engine, sampling, requests))
         return
+    sampling = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    cfg = EngineConfig(dtype="float32", device="cpu")
 
     async def serve() -> None:
         engine = (start_engine(cfg, "aggregated", threads=threads) if placement == "side_thread"
