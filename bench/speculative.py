@@ -1,6 +1,7 @@
-"""`duet bench speculative`: what n-gram speculative decoding gains, and costs.
+"""`duet bench speculative`: what speculative decoding gains, and costs.
 
     duet bench speculative [--concurrency 1 8] [--requests 4] [--runs 3] [--json F]
+                           [--method ngram|draft] [--model M] [--draft-model D]
 
 Three workloads, each run two ways one after the other on in-process engines that
 share one set of weights (`Engine` driven directly, no HTTP):
@@ -17,7 +18,9 @@ share one set of weights (`Engine` driven directly, no HTTP):
   but not the same draws with speculation, so no identity check here.)
 
 **off** runs the engine without speculation; **on** with `engine.speculative.method:
-ngram` (the other settings at their defaults unless given); their order alternates
+ngram`, or `draft` with `--draft-model` (default: the embedded model, so that a model
+drafting for itself measures the mechanism's cost with every draft accepted), the
+other settings at their defaults unless given; their order alternates
 from run to run. The ratio of their output tok/s is the gain. Greedy outputs must be
 identical both ways; the benchmark checks it on every request and says so. Medians of
 `--runs`; prints a table and writes JSON with the machine's CPU flags and the
@@ -36,7 +39,7 @@ import torch
 from bench.closed_loop import closed_loop
 from bench.json_output import write_json
 from bench.machine_ceilings import cpu_flags
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
@@ -97,12 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-tokens", type=int, default=None, help="engine.speculative.num_tokens (default: its default)")
+    p.add_argument("--method", choices=["ngram", "draft"], default="ngram")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the target checkpoint (engine.model)")
+    p.add_argument("--draft-model", default=DEFAULT_MODEL, help="method draft: the draft checkpoint")
     p.add_argument("--json", default="out/bench_speculative.json")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    cfg = EngineConfig(dtype=a.dtype, max_num_seqs=max(a.concurrency))
+    cfg = EngineConfig(model=a.model, dtype=a.dtype, max_num_seqs=max(a.concurrency))
     off = Engine(cfg)
-    spec = {"method": "ngram", **({"num_tokens": a.num_tokens} if a.num_tokens else {})}
+    spec = {"method": a.method, **({"draft_model": a.draft_model} if a.method == "draft" else {}),
+            **({"num_tokens": a.num_tokens} if a.num_tokens else {})}
     on = Engine(cfg.replace(speculative=spec), model=off.model)
     n = max(a.requests, max(a.concurrency))
     noise = random_prompts(off, n)

@@ -20,6 +20,7 @@ from engine.block_pool import BlockPool
 from engine.config import ConfigError, EngineConfig, Role, resolve_device, resolve_dtype
 from engine.cpu_kernels import select_decode_kernel
 from engine.detokenizer import IncrementalDetokenizer
+from engine.draft_model import DraftModelProposer
 from engine.external_kv import ExternalKVCache, check_chunk_size
 from engine.hashing import model_fingerprint
 from engine.kv_cache import KVCache, num_blocks_for
@@ -32,7 +33,7 @@ from engine.request import FinishReason, Request, RequestMetrics, RequestOutput,
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from engine.speculative import NgramProposer, accepted_prefix
+from engine.speculative import NgramProposer, Proposer, accepted_prefix
 from engine.stats import EngineStats
 from engine.structured import GrammarMatcher, Grammars
 from engine.tokenizer import load_tokenizer
@@ -126,10 +127,9 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, cfg.block_size, decode_kernel)
         self.block_pool = BlockPool(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.block_pool, cfg.block_size, self.model_fingerprint)
-        spec = cfg.speculative
-        proposer = NgramProposer(spec, cfg.max_model_len) if spec.enabled and role != "prefill" else None
+        self.proposer = self._proposer(role)
         self.scheduler = Scheduler(self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   proposer.propose if proposer is not None else None)
+                                   self.proposer.propose if self.proposer is not None else None)
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer, model_cfg.vocab_size)
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -147,6 +147,16 @@ class Engine:
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0
         self._failed_steps = 0  # steps in a row in which every scheduled request failed
+
+    def _proposer(self, role: Role) -> Proposer | None:
+        """Speculative decoding's drafter, in the roles that decode (engine/speculative.py)."""
+        spec = self.cfg.speculative
+        if not spec.enabled or role == "prefill":
+            return None
+        if spec.method == "draft":
+            return DraftModelProposer.load(spec, self.cfg.max_model_len, self.cfg.block_size, self.model,
+                                           self.checkpoint, self.cfg.packed_weights)
+        return NgramProposer(spec, self.cfg.max_model_len)
 
     # ------------------------------------------------------------ identity
     @property
@@ -254,6 +264,8 @@ class Engine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
         )
         blocks = self.scheduler.finish(req, FinishReason.MOVED, keep_blocks=True)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         needed = self.kv_manager.blocks_needed(req.num_computed_tokens)
         if len(blocks) > needed:  # a slot the next step would have written
             self.kv_manager.release_blocks(blocks[needed:])
@@ -468,6 +480,8 @@ class Engine:
         abort), a final output is queued for the next step."""
         keep = reason is FinishReason.PREFILL_DONE
         blocks = self.scheduler.finish(req, reason, keep_blocks=keep)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         if keep:
             export = ExportedKV(req.request_id, blocks, req.num_prompt_tokens)
             if self.on_export is not None:

@@ -1,10 +1,13 @@
-"""N-gram (prompt-lookup) speculative decoding: propose, then verify in one forward.
+"""Speculative decoding: propose draft tokens, then verify them in one forward.
 
-A decoding request whose last few tokens appeared earlier in its own sequence
-(prompt or output) is guessed to continue the way they continued then. The engine
-runs the request's pending token and those draft tokens as one chunk of the step, so
-the model scores every draft position in the same forward; the engine keeps the
-longest run the model agrees with (`accepted_prefix`), plus the model's own next token.
+Two proposers draft: **n-gram** (prompt lookup, here) guesses that a decoding request
+whose last few tokens appeared earlier in its own sequence (prompt or output)
+continues the way they continued then; a **draft model** (engine/draft_model.py) runs
+a smaller checkpoint with the same vocabulary greedily for a few tokens. Either way
+the engine runs the request's pending token and the draft tokens as one chunk of the
+step, so the model scores every draft position in the same forward; the engine keeps
+the longest run the model agrees with (`accepted_prefix`), plus the model's own next
+token.
 
 Verification samples each position from the request's own distribution, exactly as
 an unspeculated step would, and accepts a draft token only if the sample equals it.
@@ -35,8 +38,16 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # "ngram": drafts from the request's own earlier tokens (prompt lookup). "none": off.
-    method: Literal["none", "ngram"] = "none"
+    # "ngram": drafts from the request's own earlier tokens (prompt lookup). "draft": a
+    # smaller checkpoint with the target's vocabulary drafts greedily (`draft_model`).
+    # "none": off.
+    method: Literal["none", "ngram", "draft"] = "none"
+    # The draft checkpoint (method "draft"), named as `engine.model` is: the embedded
+    # model's id, a .gguf file or a Hugging Face directory. It runs in the engine's dtype.
+    draft_model: str | None = None
+    # The draft model's own KV pool, in tokens, shared by the requests that speculate;
+    # the least recently drafting request gives up its pages when it runs out.
+    draft_kv_tokens: int = Field(4096, ge=16)
     # Most draft tokens per request per step.
     num_tokens: int = Field(4, ge=1, le=32)
     # The longest and shortest suffix searched for earlier in the sequence (longest first).
@@ -54,6 +65,8 @@ class SpeculativeConfig(BaseModel):
     def _lookup_range(self) -> SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model is required by method 'draft', and used by it only")
         return self
 
     @property
@@ -75,8 +88,10 @@ def ngram_draft(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[i
     return []
 
 
-class NgramProposer:
-    """Decides which requests speculate and drafts their tokens."""
+class Proposer:
+    """Decides which requests speculate and how many tokens they may draft; a subclass
+    drafts them (`_draft`). The scheduler calls `propose`; the engine calls `forget`
+    when a request leaves it."""
 
     def __init__(self, cfg: SpeculativeConfig, max_model_len: int) -> None:
         self.cfg = cfg
@@ -100,7 +115,21 @@ class NgramProposer:
             return []
         room = req.sampling.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1
         k = min(cfg.num_tokens, most, *room)
-        return ngram_draft(req.token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k) if k > 0 else []
+        return self._draft(req, k) if k > 0 else []
+
+    def _draft(self, req: Request, k: int) -> list[int]:
+        raise NotImplementedError
+
+    def forget(self, request_id: str) -> None:
+        """`request_id` finished, was aborted or moved out: drop what is kept for it."""
+
+
+class NgramProposer(Proposer):
+    """Drafts from the request's own earlier tokens (prompt lookup)."""
+
+    def _draft(self, req: Request, k: int) -> list[int]:
+        cfg = self.cfg
+        return ngram_draft(req.token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, k)
 
 
 def accepted_prefix(draft: Sequence[int], sampled: Sequence[int]) -> int:
