@@ -24,11 +24,12 @@ the weights and a small model's forwards are cheap next to the target's.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention import AttentionMetadata, PrefillChunk, build_decode_mask
 from engine.config import ConfigError
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
@@ -50,10 +51,12 @@ class _DraftSequence:
 class DraftModelProposer(Proposer):
     """Drafts with a smaller model of the same vocabulary, on its own KV cache."""
 
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, model: LlamaModel, block_size: int) -> None:
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, model: LlamaModel, block_size: int,
+                 decode_kernel: Callable | None = None) -> None:
         super().__init__(cfg, max_model_len)
         self.model = model
         self.block_size = block_size
+        self.decode_kernel = decode_kernel  # the engine's: one-row forwards attend as a decode does
         num_blocks = -(-cfg.draft_kv_tokens // block_size)
         self.kv_cache = KVCache(model.cfg, num_blocks, block_size, model.dtype, model.device)
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -62,7 +65,8 @@ class DraftModelProposer(Proposer):
 
     @classmethod
     def load(cls, cfg: SpeculativeConfig, max_model_len: int, block_size: int, target: LlamaModel,
-             target_checkpoint: Checkpoint, packed_weights: str) -> DraftModelProposer:
+             target_checkpoint: Checkpoint, packed_weights: str,
+             decode_kernel: Callable | None = None) -> DraftModelProposer:
         """The draft checkpoint in the target's dtype and device; the target's own weights
         when it names the same checkpoint (then drafting costs what the target does)."""
         assert cfg.draft_model is not None  # the config's validator
@@ -77,7 +81,7 @@ class DraftModelProposer(Proposer):
             raise ConfigError("speculative.draft_model",
                               f"{ckpt.model_id} has {model.cfg.vocab_size} tokens, the target "
                               f"{target.cfg.vocab_size}: a draft model must share the target's vocabulary")
-        return cls(cfg, max_model_len, model, block_size)
+        return cls(cfg, max_model_len, model, block_size, decode_kernel)
 
     def _draft(self, req: Request, k: int) -> list[int]:
         tokens = req.token_ids
@@ -126,8 +130,13 @@ class DraftModelProposer(Proposer):
         n, bs, dev = len(ids), self.block_size, self.model.device
         table = torch.tensor(seq.blocks[: -(-(start + n) // bs)], dtype=torch.long, device=dev)
         positions = torch.arange(start, start + n, device=dev)
-        meta = AttentionMetadata(table[positions // bs], positions % bs, 0, None, None,
-                                 [PrefillChunk(0, n, start, table)])
+        slots = table[positions // bs], positions % bs
+        if n == 1:  # one row: a decode's attention (the native kernel where the engine has it)
+            lens = torch.tensor([start + 1], dtype=torch.long, device=dev)
+            mask = build_decode_mask(lens, len(table) * bs, torch.float32) if self.decode_kernel is None else None
+            meta = AttentionMetadata(*slots, 1, table[None, :], mask, [], lens, self.decode_kernel)
+        else:
+            meta = AttentionMetadata(*slots, 0, None, None, [PrefillChunk(0, n, start, table)])
         last = torch.tensor([n - 1], dtype=torch.long, device=dev)
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev), positions, meta,
                                     self.kv_cache.layers, last)

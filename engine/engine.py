@@ -155,7 +155,7 @@ class Engine:
             return None
         if spec.method == "draft":
             return DraftModelProposer.load(spec, self.cfg.max_model_len, self.cfg.block_size, self.model,
-                                           self.checkpoint, self.cfg.packed_weights)
+                                           self.checkpoint, self.cfg.packed_weights, self.runner.decode_kernel)
         return NgramProposer(spec, self.cfg.max_model_len)
 
     # ------------------------------------------------------------ identity
