@@ -67,8 +67,11 @@ REQUEST_TIMEOUT_S = 10.0
 CORS_ORIGIN = "https://app.example"
 MAX_BODY_BYTES = 8192
 
-# The "torch" and "aggregated" clusters' speculative decoding.
+# The "aggregated" and "colocated" clusters' speculative decoding, and the "torch"
+# cluster's: a draft model, the embedded model drafting for itself (the only checkpoint
+# here; every draft is accepted, so each greedy request verifies drafts).
 SPECULATIVE = {"method": "ngram", "num_tokens": 4}
+DRAFT_SPECULATIVE = {"method": "draft", "draft_model": "smollm2-135m", "num_tokens": 4}
 
 # The "chaos" cluster's private Redis (prefix index and KV tier), which its soak restarts.
 CHAOS_REDIS_PORT = 6394
@@ -101,10 +104,11 @@ KV_DISK_DIR = Path(tempfile.gettempdir()) / "duet-test-kv-disk"
 CLUSTERS: dict[str, dict] = {
     # No migration or prefill retry: a killed replica's request fails (test_failures.py).
     "nixl": {"gateway.max_migrations": 0, "gateway.prefill_retries": 0},
-    # N-gram speculative decoding in the pools that decode: every greedy test of these
-    # two proves it exact through a served path (test_cluster_api.py). "torch" also runs
-    # the gateway inside its decode replica (gateway.colocate): that replica streams.
-    "torch": {"transfer.backend": "torch", "engine.speculative": SPECULATIVE, "gateway.colocate": True},
+    # Speculative decoding in the pools that decode: every greedy test of these proves
+    # it exact through a served path (test_cluster_api.py). "torch" drafts with a draft
+    # model, which prefills each imported prompt itself; it also runs the gateway inside
+    # its decode replica (gateway.colocate): that replica streams.
+    "torch": {"transfer.backend": "torch", "engine.speculative": DRAFT_SPECULATIVE, "gateway.colocate": True},
     "aggregated": {"mode": "aggregated", "engine.speculative": SPECULATIVE},
     # The same, with the gateway inside the aggregated replica (gateway.colocate).
     "colocated": {"mode": "aggregated", "gateway.colocate": True, "engine.speculative": SPECULATIVE},

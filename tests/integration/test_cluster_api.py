@@ -247,9 +247,10 @@ def test_best_of_returns_the_candidate_with_the_highest_logprob(duet, setup):
 
 @pytest.mark.parametrize("setup", [p for p in SETUPS if p.values[0] != "nixl"])
 def test_speculative_decoding_is_exact_through_the_pool_that_decodes(duet, reference, setup):
-    """These clusters decode with n-gram speculation; its tokens are the single-process
-    engine's (which does not speculate), and the decoding replica counts its drafts."""
-    assert duet.cfg.engine.speculative.method == "ngram"
+    """These clusters decode with speculation (n-gram; "torch" a draft model); its tokens
+    are the single-process engine's (which does not speculate), and the decoding
+    replica counts its drafts."""
+    assert duet.cfg.engine.speculative.method == ("draft" if setup == "torch" else "ngram")
     pool = "decode" if duet.cfg.mode == "disaggregated" else "aggregated"
     before = duet.stats(pool)
     text, tokens = reference["repeating"]
