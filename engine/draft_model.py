@@ -16,9 +16,12 @@ prompt KV arrived from a prefill replica is drafted the same way: the draft mode
 prefills it on its first draft, here. When the pool is short, the request that
 drafted least recently gives its pages up (it catches up again if it drafts again).
 
-Drafting runs per request, batch 1, inside the scheduler's pass: speculation runs
-only while at most `max_batch_size` requests decode, where a step is bound by reading
-the weights and a small model's forwards are cheap next to the target's.
+Drafting runs inside the scheduler's pass, for a step's drafting requests together:
+one forward of the draft model runs every request's catch-up, then one forward per
+further draft position runs a decode row for each (`num_tokens` forwards a step,
+whatever the batch). Speculation runs only while at most `max_batch_size` requests
+decode, where a step is bound by reading the weights and a small model's forwards
+are cheap next to the target's.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class DraftModelProposer(Proposer):
         self._free = list(range(num_blocks - 1, -1, -1))
         self._seqs: OrderedDict[str, _DraftSequence] = OrderedDict()  # the least recently drafting first
         self.num_evictions = 0  # requests whose draft KV made room for another's
+        self.num_forwards = 0  # the draft model's forwards: one per draft position per step, whatever the batch
 
     @classmethod
     def load(cls, cfg: SpeculativeConfig, max_model_len: int, block_size: int, target: LlamaModel,
@@ -83,64 +87,103 @@ class DraftModelProposer(Proposer):
                               f"{target.cfg.vocab_size}: a draft model must share the target's vocabulary")
         return cls(cfg, max_model_len, model, block_size, decode_kernel)
 
-    def _draft(self, req: Request, k: int) -> list[int]:
-        tokens = req.token_ids
-        n = len(tokens)
-        if n + k - 1 > self.model.cfg.max_position_embeddings:
-            return []
-        seq = self._seqs.pop(req.request_id, None) or _DraftSequence()
-        self._seqs[req.request_id] = seq  # now the most recent
-        # The draft KV holds the request's tokens up to `seen` and then the previous
-        # drafts: keep what the verification accepted, and at least the pending token to run.
+    def _draft_all(self, todo: list[tuple[Request, int]]) -> list[list[int]]:
+        """Draft for every (request, k) at once: one forward runs each request's
+        catch-up, then one forward per further draft position runs one row for each
+        request that drafts that far."""
+        out: list[list[int]] = [[] for _ in todo]
+        plans: list[tuple[int, _DraftSequence, list[int], int, int]] = []  # (index, sequence, tokens, kept, k)
+        drafting = {req.request_id for req, _ in todo}  # none of them gives its pages up to another
+        for i, (req, k) in enumerate(todo):
+            tokens = req.token_ids
+            if len(tokens) + k - 1 > self.model.cfg.max_position_embeddings:
+                continue
+            seq = self._seqs.pop(req.request_id, None) or _DraftSequence()
+            self._seqs[req.request_id] = seq  # now the most recent
+            if not self._reserve(seq, len(tokens) + k - 1, drafting):
+                self.forget(req.request_id)
+                continue
+            plans.append((i, seq, tokens, self._kept(seq, tokens), k))
+        if not plans:
+            return out
+        # Each request's draft KV holds its tokens up to what it kept: run the rest.
+        runs = [[t] for t in self._forward([(seq, tokens[kept:], kept) for _, seq, tokens, kept, _ in plans])]
+        for step in range(1, max(k for *_, k in plans)):
+            rows = [j for j, plan in enumerate(plans) if plan[4] > step]
+            nexts = self._forward([(plans[j][1], runs[j][-1:], len(plans[j][2]) + step - 1) for j in rows])
+            for j, t in zip(rows, nexts):
+                runs[j].append(t)
+        for (i, seq, tokens, _, _), run in zip(plans, runs):
+            seq.token_ids = [*tokens, *run[:-1]]
+            seq.seen = len(tokens)
+            out[i] = run
+        return out
+
+    @staticmethod
+    def _kept(seq: _DraftSequence, tokens: list[int]) -> int:
+        """How many leading positions of `seq`'s draft KV hold `tokens`: what the
+        verification accepted of the last drafts, and never the pending token (it runs)."""
         keep = seq.seen
-        limit = min(len(seq.token_ids), n - 1)
+        limit = min(len(seq.token_ids), len(tokens) - 1)
         while keep < limit and seq.token_ids[keep] == tokens[keep]:
             keep += 1
-        keep = min(keep, n - 1)
-        if not self._reserve(req.request_id, seq, n + k - 1):
-            self.forget(req.request_id)
-            return []
-        drafts = [self._next_token(seq, tokens[keep:], keep)]
-        for i in range(1, k):
-            drafts.append(self._next_token(seq, drafts[-1:], n + i - 1))
-        seq.token_ids = [*tokens, *drafts[:-1]]
-        seq.seen = n
-        return drafts
+        return min(keep, len(tokens) - 1)
 
-    def _reserve(self, request_id: str, seq: _DraftSequence, num_tokens: int) -> bool:
+    def _reserve(self, seq: _DraftSequence, num_tokens: int, keep: set[str]) -> bool:
         """Pages for `num_tokens` of `seq`, taken from the least recently drafting
-        requests if the pool is short; False when even that is not enough."""
+        requests not in `keep` if the pool is short; False when that is not enough."""
         total = -(-num_tokens // self.block_size)
         if total > self.kv_cache.num_blocks:  # longer than the whole pool: evict nobody for it
             return False
         need = total - len(seq.blocks)
         while need > len(self._free):
-            oldest = next(iter(self._seqs))
-            if oldest == request_id:  # only this request holds pages, and they are too few
+            victim = next((rid for rid in self._seqs if rid not in keep), None)
+            if victim is None:  # only this step's drafting requests hold pages
                 return False
-            self.forget(oldest)
+            self.forget(victim)
             self.num_evictions += 1
         for _ in range(need):
             seq.blocks.append(self._free.pop())
         return True
 
-    def _next_token(self, seq: _DraftSequence, ids: list[int], start: int) -> int:
-        """Write the KV of `ids` at positions `start`.. and return the draft model's
-        greedy token after the last of them."""
-        n, bs, dev = len(ids), self.block_size, self.model.device
-        table = torch.tensor(seq.blocks[: -(-(start + n) // bs)], dtype=torch.long, device=dev)
-        positions = torch.arange(start, start + n, device=dev)
-        slots = table[positions // bs], positions % bs
-        if n == 1:  # one row: a decode's attention (the native kernel where the engine has it)
-            lens = torch.tensor([start + 1], dtype=torch.long, device=dev)
-            mask = build_decode_mask(lens, len(table) * bs, torch.float32) if self.decode_kernel is None else None
-            meta = AttentionMetadata(*slots, 1, table[None, :], mask, [], lens, self.decode_kernel)
-        else:
-            meta = AttentionMetadata(*slots, 0, None, None, [PrefillChunk(0, n, start, table)])
-        last = torch.tensor([n - 1], dtype=torch.long, device=dev)
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev), positions, meta,
-                                    self.kv_cache.layers, last)
-        return int(logits[0].argmax())
+    def _forward(self, items: list[tuple[_DraftSequence, list[int], int]]) -> list[int]:
+        """One forward of the draft model: for each (sequence, token ids, first
+        position), write the ids' KV from that position on and return the greedy token
+        after the last of them. One-id items run as decode rows (the engine's kernel),
+        the rest as prefill chunks."""
+        bs, dev = self.block_size, self.model.device
+        self.num_forwards += 1
+        # Decode rows first, then the chunks: the layout attention expects.
+        order = sorted(range(len(items)), key=lambda i: len(items[i][1]) > 1)
+        ordered = [items[i] for i in order]
+        d = sum(len(toks) == 1 for _, toks, _ in ordered)
+        tables = [seq.blocks[: -(-(start + len(toks)) // bs)] for seq, toks, start in ordered]
+        pos = [p for _, toks, start in ordered for p in range(start, start + len(toks))]
+        slots = [table[p // bs] for table, (_, toks, start) in zip(tables, ordered)
+                 for p in range(start, start + len(toks))]
+        decode_tables = lens = mask = None
+        if d:
+            width = max(len(t) for t in tables[:d])
+            decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:d]], dtype=torch.long,
+                                         device=dev)
+            lens = torch.tensor([start + 1 for _, _, start in ordered[:d]], dtype=torch.long, device=dev)
+            if self.decode_kernel is None:
+                mask = build_decode_mask(lens, width * bs, torch.float32)
+        prefills, offset = [], d
+        for table, (_, toks, start) in zip(tables[d:], ordered[d:]):
+            prefills.append(PrefillChunk(offset, len(toks), start, torch.tensor(table, dtype=torch.long, device=dev)))
+            offset += len(toks)
+        last = [*range(d), *(c.token_start + c.num_tokens - 1 for c in prefills)]
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), positions % bs, d,
+                                 decode_tables, mask, prefills, lens, self.decode_kernel)
+        ids = torch.tensor([t for _, toks, _ in ordered for t in toks], dtype=torch.long, device=dev)
+        logits = self.model.forward(ids, positions, meta, self.kv_cache.layers,
+                                    torch.tensor(last, dtype=torch.long, device=dev))
+        out = [0] * len(items)
+        for i, t in zip(order, logits.argmax(dim=-1).tolist()):
+            out[i] = t
+        return out
 
     def forget(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

@@ -129,7 +129,7 @@ class Engine:
         self.kv_manager = KVCacheManager(self.block_pool, cfg.block_size, self.model_fingerprint)
         self.proposer = self._proposer(role)
         self.scheduler = Scheduler(self.kv_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   self.proposer.propose if self.proposer is not None else None)
+                                   self.proposer.propose_all if self.proposer is not None else None)
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer, model_cfg.vocab_size)
         self._detoks: dict[str, IncrementalDetokenizer] = {}

@@ -79,9 +79,10 @@ class Scheduler:
     """Owns the waiting queue and the running set; decides each step's batch."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 propose: Callable[[Request, int, int], list[int]] | None = None):
-        """`propose(request, most_tokens, num_decoding)`: draft tokens for a decode
-        (speculative decoding), or None for none ever."""
+                 propose: Callable[[list[Request], int, int], dict[str, list[int]]] | None = None):
+        """`propose(decoding, most_tokens, num_decoding)`: draft tokens for the decodes
+        of a step by request id, all at once (speculative decoding; a draft model runs
+        them as one batch), or None for none ever."""
         self.kv = kv
         self.propose = propose
         self.max_num_seqs = max_num_seqs
@@ -128,13 +129,14 @@ class Scheduler:
 
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        drafts = self.propose(decoding, budget - 1, len(decoding)) if self.propose and budget >= 2 else {}
         for req in decoding + prefilling:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            draft = self._draft(req, budget, len(decoding)) if n == 1 else []
+            draft = self._draft(req, drafts.get(req.request_id), budget) if n == 1 else []
             if draft:
                 n += len(draft)
             elif not self._allocate_or_preempt(req, n, scheduled, out):
@@ -226,13 +228,13 @@ class Scheduler:
         shared = max(_common_prefix_len(hashes, r.block_hashes) for r in computing)
         return shared > len(self.kv.pool.cached_prefix(hashes[:shared]))
 
-    def _draft(self, req: Request, budget: int, num_decoding: int) -> list[int]:
-        """Draft tokens for decode `req` whose slots are allocated, or [] (then the
-        caller schedules a plain decode). Never preempts: a draft is optional."""
-        if self.propose is None or budget < 2:
+    def _draft(self, req: Request, draft: list[int] | None, budget: int) -> list[int]:
+        """`draft` cut to the step's room, its slots allocated, or [] (then the caller
+        schedules a plain decode). Never preempts: a draft is optional."""
+        if not draft or budget < 2:
             return []
-        draft = self.propose(req, budget - 1, num_decoding)
-        if draft and not self.kv.allocate_slots(req, 1 + len(draft)):
+        draft = draft[: budget - 1]  # a draft's leading tokens are a draft too
+        if not self.kv.allocate_slots(req, 1 + len(draft)):
             return []
         return draft
 

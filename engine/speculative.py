@@ -90,8 +90,8 @@ def ngram_draft(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[i
 
 class Proposer:
     """Decides which requests speculate and how many tokens they may draft; a subclass
-    drafts them (`_draft`). The scheduler calls `propose`; the engine calls `forget`
-    when a request leaves it."""
+    drafts them (`_draft`, or `_draft_all` for a step's requests at once). The
+    scheduler calls `propose_all`; the engine calls `forget` when a request leaves it."""
 
     def __init__(self, cfg: SpeculativeConfig, max_model_len: int) -> None:
         self.cfg = cfg
@@ -105,17 +105,30 @@ class Proposer:
         drafted, cfg = req.num_draft_tokens, self.cfg
         return drafted < cfg.probe_tokens or req.num_accepted_tokens >= cfg.min_acceptance * drafted
 
+    def propose_all(self, reqs: list[Request], most: int, num_decoding: int) -> dict[str, list[int]]:
+        """Draft tokens for the next step of each decode in `reqs`, by request id (the
+        scheduler's hook); see `propose`."""
+        todo = [(req, k) for req in reqs if (k := self._room(req, most, num_decoding)) > 0]
+        drafts = self._draft_all(todo) if todo else []
+        return {req.request_id: d for (req, _), d in zip(todo, drafts) if d}
+
     def propose(self, req: Request, most: int, num_decoding: int) -> list[int]:
-        """Draft tokens for decode `req`'s next step (the scheduler's hook): at most
-        `most` (the step's room), none while more than `max_batch_size` requests
-        decode, and leaving room for the sampled token within the request's
-        max_tokens and the context."""
+        """Draft tokens for decode `req`'s next step: at most `most` (the step's room),
+        none while more than `max_batch_size` requests decode, and leaving room for the
+        sampled token within the request's max_tokens and the context."""
+        return self.propose_all([req], most, num_decoding).get(req.request_id, [])
+
+    def _room(self, req: Request, most: int, num_decoding: int) -> int:
+        """How many tokens `req` may draft this step (0: none)."""
         cfg = self.cfg
         if num_decoding > cfg.max_batch_size or not self.eligible(req):
-            return []
+            return 0
         room = req.sampling.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1
-        k = min(cfg.num_tokens, most, *room)
-        return self._draft(req, k) if k > 0 else []
+        return max(0, min(cfg.num_tokens, most, *room))
+
+    def _draft_all(self, todo: list[tuple[Request, int]]) -> list[list[int]]:
+        """Up to `k` draft tokens for each (request, k), in order."""
+        return [self._draft(req, k) for req, k in todo]
 
     def _draft(self, req: Request, k: int) -> list[int]:
         raise NotImplementedError

@@ -12,6 +12,8 @@ from engine_steps import run
 
 from bench.random_checkpoint import SHAPES, write_checkpoint, write_tokenizer
 from engine.config import ConfigError
+from engine.draft_model import DraftModelProposer
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.speculative import SpeculativeConfig
 
@@ -58,6 +60,18 @@ def test_the_targets_own_weights_as_draft_accept_every_draft(make_engine, base_e
     assert spec.proposer.num_free_blocks == spec.proposer.kv_cache.num_blocks
 
 
+def test_requests_that_draft_together_share_the_draft_models_forwards(make_engine, base_engine):
+    prompts = [chat(base_engine, t) for t in ("Name a river.", "Name a mountain.", "Name a city.")]
+    want = make_engine().generate(prompts, GREEDY)
+    spec = make_engine(speculative=SELF_DRAFT)
+    got = spec.generate(prompts, GREEDY)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    # Three requests draft in the same steps, four tokens each: four forwards a step,
+    # where one request at a time would take twelve.
+    assert spec.num_verify_steps > 2 * spec.num_steps  # most steps verified all three
+    assert spec.proposer.num_forwards <= SELF_DRAFT["num_tokens"] * spec.num_steps
+
+
 def test_a_random_draft_changes_no_output_and_is_turned_off(make_engine, base_engine, random_draft):
     prompts = [chat(base_engine, "Write a sentence about rivers."), chat(base_engine, "Count to five.")]
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -78,16 +92,32 @@ def test_seeded_sampling_with_a_draft_is_reproducible(make_engine, base_engine):
     assert first.token_ids == second.token_ids
 
 
-def test_a_draft_pool_smaller_than_the_batch_evicts_and_still_matches(make_engine, base_engine):
+def test_a_draft_pool_smaller_than_the_batch_drafts_for_fewer_and_still_matches(make_engine, base_engine):
     prompts = [chat(base_engine, f"Say something about the number {i}.") for i in range(3)]
     want = make_engine().generate(prompts, GREEDY)
-    # 64 draft tokens hold no one of these ~60-token sequences past its prompt for long:
-    # drafting requests evict each other, and one longer than the pool drafts nothing.
+    # 64 draft tokens hold one of these ~60-token sequences at most: the others draft
+    # nothing while it holds the pages.
     spec = make_engine(speculative={**SELF_DRAFT, "draft_kv_tokens": 64})
     got = spec.generate(prompts, GREEDY)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert spec.proposer.num_evictions > 0
+    assert 0 < spec.num_verify_steps < spec.num_steps * len(prompts)
     assert spec.proposer.num_free_blocks == spec.proposer.kv_cache.num_blocks
+
+
+def test_the_least_recently_drafting_request_gives_its_pages_up(base_engine):
+    cfg = SpeculativeConfig(**{**SELF_DRAFT, "draft_kv_tokens": 64})  # 4 pages of 16 tokens
+    proposer = DraftModelProposer(cfg, 2048, base_engine.model, 16)
+    a = Request("a", list(range(100, 140)), SamplingParams(max_tokens=20, temperature=0))
+    b = Request("b", list(range(200, 240)), SamplingParams(max_tokens=20, temperature=0))
+    assert len(proposer.propose(a, 4, 1)) == 4  # 40 tokens and 3 drafts' KV: 3 pages
+    assert proposer.num_free_blocks == 1
+    assert len(proposer.propose(b, 4, 1)) == 4  # a drafted less recently: its pages go to b
+    assert proposer.num_evictions == 1
+    # Drafting together, neither takes the other's pages: a, which needs three, drafts nothing.
+    assert proposer.propose_all([a, b], 4, 2).keys() == {"b"}
+    assert proposer.num_evictions == 1
+    proposer.forget("b")
+    assert proposer.num_free_blocks == 4
 
 
 def test_an_imported_request_is_drafted_from_its_prompt(make_engine, base_engine):
