@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The engine on a CUDA GPU, in one short run: exactness against transformers on the
-# GPU (tests/unit/test_hf_checkpoint.py, fp32 and bf16), then `duet bench engine`
+# GPU (tests/unit/test_hf_checkpoint.py, fp32 and bf16; with it n-gram and draft-model
+# speculation, seeds, grammars and the engine core child on the device), then `duet bench engine`
 # (ours against transformers `generate`, bf16, same run) on random-weight Llama
 # checkpoints of three sizes (bench/random_checkpoint.py: the embedded model's shape,
 # Llama-3.2-1B's and Llama-3.1-8B's). Needs torch with CUDA, transformers,

@@ -105,14 +105,18 @@ def test_unsupported_variants_are_refused_by_name(checkpoint, tmp_path, change, 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_speculation_seeds_and_grammars_on_the_device(checkpoint, device):
-    """The engine's per-request machinery on `device`: n-gram speculation leaves greedy
-    tokens unchanged, a seed reproduces its sample, a grammar's mask is applied."""
+    """The engine's per-request machinery on `device`: n-gram and draft-model
+    speculation leave greedy tokens unchanged (the checkpoint drafting for itself is
+    accepted every time), a seed reproduces its sample, a grammar's mask is applied."""
     plain = _engine(checkpoint, device, "float32")
-    spec = Engine(EngineConfig(model=str(checkpoint), dtype="float32", device=device, num_kv_blocks=64,
-                               speculative={"method": "ngram", "num_tokens": 4}))
     ids = plain.tokenizer.encode("alpha beta gamma delta " * 12)
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    assert spec.generate([ids], greedy)[0].token_ids == plain.generate([ids], greedy)[0].token_ids
+    want = plain.generate([ids, ids[:30]], greedy)
+    for method in ({"method": "ngram"}, {"method": "draft", "draft_model": str(checkpoint)}):
+        spec = Engine(EngineConfig(model=str(checkpoint), dtype="float32", device=device, num_kv_blocks=64,
+                                   speculative={**method, "num_tokens": 4}))
+        assert [o.token_ids for o in spec.generate([ids, ids[:30]], greedy)] == [o.token_ids for o in want]
+    assert 0 < spec.num_accepted_tokens == spec.num_draft_tokens  # the draft model: itself
 
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
     first, again = (plain.generate([ids, ids[:40]], seeded)[0].token_ids for _ in range(2))
