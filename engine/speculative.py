@@ -62,7 +62,7 @@ class SpeculativeConfig(BaseModel):
     probe_tokens: int = Field(16, ge=1)
 
     @model_validator(mode="after")
-    def _lookup_range(self) -> SpeculativeConfig:
+    def _consistent(self) -> SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if (self.method == "draft") != (self.draft_model is not None):
