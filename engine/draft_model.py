@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk, build_decode_mask
 from engine.config import ConfigError
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
+from engine.model_runner import batch_inputs
 from engine.quant import packs_weights
 from engine.request import Request
 from engine.speculative import Proposer, SpeculativeConfig
@@ -74,7 +74,7 @@ class DraftModelProposer(Proposer):
         """The draft checkpoint in the target's dtype and device; the target's own weights
         when it names the same checkpoint (then drafting costs what the target does)."""
         assert cfg.draft_model is not None  # the config's validator
-        ckpt = resolve_checkpoint(cfg.draft_model)
+        ckpt = resolve_checkpoint(cfg.draft_model, field="speculative.draft_model")
         if ckpt.path.resolve() == target_checkpoint.path.resolve():
             model = target
         else:
@@ -155,29 +155,11 @@ class DraftModelProposer(Proposer):
         self.num_forwards += 1
         # Decode rows first, then the chunks: the layout attention expects.
         order = sorted(range(len(items)), key=lambda i: len(items[i][1]) > 1)
-        ordered = [items[i] for i in order]
-        d = sum(len(toks) == 1 for _, toks, _ in ordered)
-        tables = [seq.blocks[: -(-(start + len(toks)) // bs)] for seq, toks, start in ordered]
-        pos = [p for _, toks, start in ordered for p in range(start, start + len(toks))]
-        slots = [table[p // bs] for table, (_, toks, start) in zip(tables, ordered)
-                 for p in range(start, start + len(toks))]
-        decode_tables = lens = mask = None
-        if d:
-            width = max(len(t) for t in tables[:d])
-            decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:d]], dtype=torch.long,
-                                         device=dev)
-            lens = torch.tensor([start + 1 for _, _, start in ordered[:d]], dtype=torch.long, device=dev)
-            if self.decode_kernel is None:
-                mask = build_decode_mask(lens, width * bs, torch.float32)
-        prefills, offset = [], d
-        for table, (_, toks, start) in zip(tables[d:], ordered[d:]):
-            prefills.append(PrefillChunk(offset, len(toks), start, torch.tensor(table, dtype=torch.long, device=dev)))
-            offset += len(toks)
-        last = [*range(d), *(c.token_start + c.num_tokens - 1 for c in prefills)]
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), positions % bs, d,
-                                 decode_tables, mask, prefills, lens, self.decode_kernel)
-        ids = torch.tensor([t for _, toks, _ in ordered for t in toks], dtype=torch.long, device=dev)
+        rows = [(toks, start, seq.blocks[: -(-(start + len(toks)) // bs)])
+                for seq, toks, start in (items[i] for i in order)]
+        d = sum(len(toks) == 1 for toks, _, _ in rows)
+        ids, positions, meta = batch_inputs(rows, d, bs, dev, self.decode_kernel)
+        last = [*range(d), *(c.token_start + c.num_tokens - 1 for c in meta.prefills)]
         logits = self.model.forward(ids, positions, meta, self.kv_cache.layers,
                                     torch.tensor(last, dtype=torch.long, device=dev))
         out = [0] * len(items)

@@ -8,7 +8,7 @@ are laid out decodes first (one token each), then prefill chunks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -16,6 +16,56 @@ from engine.attention import AttentionMetadata, PrefillChunk, build_decode_mask
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.scheduler import SchedulerOutput
+
+# One sequence's rows of a step: its new token ids, the position of the first, and its
+# block table up to the block the last one lands in.
+BatchRow = tuple[Sequence[int], int, Sequence[int]]
+
+
+def batch_inputs(rows: Sequence[BatchRow], num_decodes: int, block_size: int, device: str,
+                 decode_kernel: Callable | None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids, positions, attention metadata) of one forward over the paged KV
+    cache: the first `num_decodes` rows are one-token decodes, the rest prefill chunks."""
+    bs, dev = block_size, device
+    ids: list[int] = []
+    pos: list[int] = []
+    decode_tables: list[Sequence[int]] = []
+    context_lens: list[int] = []
+    for toks, p, table in rows[:num_decodes]:
+        ids.append(toks[0])
+        pos.append(p)
+        decode_tables.append(table)
+        context_lens.append(p + 1)
+    chunks: list[PrefillChunk] = []
+    start = len(ids)
+    for toks, c, table in rows[num_decodes:]:
+        n = len(toks)
+        ids.extend(toks)
+        pos.extend(range(c, c + n))
+        chunks.append(PrefillChunk(start, n, c, torch.tensor(table, dtype=torch.long, device=dev)))
+        start += n
+    input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+    positions = torch.tensor(pos, dtype=torch.long, device=dev)
+
+    # Slot of every new token: decode rows from their tables, prefill rows by chunk.
+    slot_blocks = torch.empty_like(positions)
+    d = num_decodes
+    if d:
+        slot_blocks[:d] = torch.tensor([t[-1] for t in decode_tables], dtype=torch.long, device=dev)
+    for ch in chunks:
+        chunk_pos = positions[ch.token_start : ch.token_start + ch.num_tokens]
+        slot_blocks[ch.token_start : ch.token_start + ch.num_tokens] = ch.block_table[chunk_pos // bs]
+    slot_offsets = positions % bs
+
+    tables = mask = lens = None
+    if d:
+        width = max(len(t) for t in decode_tables)
+        tables = torch.tensor([[*t, *[0] * (width - len(t))] for t in decode_tables], dtype=torch.long, device=dev)
+        lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
+        if decode_kernel is None:
+            mask = build_decode_mask(lens, width * bs, torch.float32)
+    return input_ids, positions, AttentionMetadata(slot_blocks, slot_offsets, d, tables, mask, chunks, lens,
+                                                   decode_kernel)
 
 
 class ModelRunner:
@@ -37,48 +87,15 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput):
         """(input_ids, positions, attention metadata, rows whose logits are sampled)."""
         bs = self.block_size
-        dev = self.device
-        ids: list[int] = []
-        pos: list[int] = []
-        decode_tables: list[list[int]] = []
-        context_lens: list[int] = []
+        rows: list[BatchRow] = []
         for s in sched.decodes:
             r = s.request
             p = r.num_computed_tokens
-            ids.append(r.token_ids[p])
-            pos.append(p)
-            decode_tables.append(r.block_ids[: p // bs + 1])
-            context_lens.append(p + 1)
-        chunks: list[PrefillChunk] = []
-        start = len(ids)
+            rows.append(([r.token_ids[p]], p, r.block_ids[: p // bs + 1]))
         for s in sched.prefills:
             r, n, c = s.request, s.num_new_tokens, s.request.num_computed_tokens
-            ids.extend(s.input_token_ids)
-            pos.extend(range(c, c + n))
-            table = torch.tensor(r.block_ids[: -(-(c + n) // bs)], dtype=torch.long, device=dev)
-            chunks.append(PrefillChunk(start, n, c, table))
-            start += n
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-
-        # Slot of every new token: decode rows from their tables, prefill rows by chunk.
-        slot_blocks = torch.empty_like(positions)
-        d = len(sched.decodes)
-        if d:
-            slot_blocks[:d] = torch.tensor([t[-1] for t in decode_tables], dtype=torch.long, device=dev)
-        for ch in chunks:
-            chunk_pos = positions[ch.token_start : ch.token_start + ch.num_tokens]
-            slot_blocks[ch.token_start : ch.token_start + ch.num_tokens] = ch.block_table[chunk_pos // bs]
-        slot_offsets = positions % bs
-
-        tables = mask = lens = None
-        if d:
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long, device=dev)
-            lens = torch.tensor(context_lens, dtype=torch.long, device=dev)
-            if self.decode_kernel is None:
-                mask = build_decode_mask(lens, width * bs, torch.float32)
-        meta = AttentionMetadata(slot_blocks, slot_offsets, d, tables, mask, chunks, lens, self.decode_kernel)
+            rows.append((s.input_token_ids, c, r.block_ids[: -(-(c + n) // bs)]))
+        input_ids, positions, meta = batch_inputs(rows, len(sched.decodes), bs, self.device, self.decode_kernel)
 
         logits_idx: list[int] = []
         row = 0
@@ -86,7 +103,7 @@ class ModelRunner:
             row += s.num_new_tokens
             if s.samples:
                 logits_idx.extend(range(row - s.num_sampled_rows, row))
-        return input_ids, positions, meta, torch.tensor(logits_idx, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, torch.tensor(logits_idx, dtype=torch.long, device=self.device)
 
     def score(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
         """Logits at every position of `token_ids` ([n, vocab]) in one prefill into
