@@ -48,7 +48,9 @@ def embedded_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
 
 
-def resolve_checkpoint(model: str) -> Checkpoint:
+def resolve_checkpoint(model: str, field: str = "model") -> Checkpoint:
+    """Where `model` lives; a ConfigError naming `field` (the setting that named it) when
+    it is none of the forms a model is named by."""
     if model in (DEFAULT_MODEL, SMOLLM2_ID):
         return Checkpoint(SMOLLM2_ID, embedded_gguf_path(), "gguf")
     path = Path(model).expanduser()
@@ -56,7 +58,7 @@ def resolve_checkpoint(model: str) -> Checkpoint:
         return Checkpoint(path.stem, path, "gguf")
     if path.is_dir() and (path / "config.json").exists():
         return Checkpoint(path.name, path, "hf")
-    raise ConfigError("model",
+    raise ConfigError(field,
                       f"{model!r} is neither {DEFAULT_MODEL!r}, a .gguf file, nor a directory with config.json")
 
 

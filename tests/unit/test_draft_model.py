@@ -148,5 +148,11 @@ def test_a_draft_with_another_vocabulary_is_refused(make_engine, tmp_path):
         make_engine(speculative={**SELF_DRAFT, "draft_model": str(tmp_path)})
 
 
+def test_a_draft_model_that_does_not_exist_is_refused_by_its_setting(make_engine, tmp_path):
+    with pytest.raises(ConfigError, match="^speculative.draft_model: ") as e:
+        make_engine(speculative={**SELF_DRAFT, "draft_model": str(tmp_path / "nowhere")})
+    assert e.value.field == "speculative.draft_model"
+
+
 def test_a_prefill_engine_never_drafts(make_engine):
     assert make_engine(role="prefill", speculative=SELF_DRAFT).proposer is None
