@@ -344,15 +344,18 @@ class Gateway:
         if model and model not in (self.model_name, self.engine_cfg.model):
             raise model_not_found(model)
 
-    def _ingress_route(self, request: Request) -> tuple[str, int] | None:
-        """(reason, prefix blocks) of the ingress request router's choice of this replica,
+    def _ingress_route(self, request: Request) -> tuple[str, int, float] | None:
+        """(reason, prefix blocks, cost) of the ingress request router's choice of this replica,
         from the header HAProxy set (routing/router/ingress.py); None without one, or
         where no ingress request router stands in front: without one HAProxy passes a
         client's copy of the header through."""
         if not self.ingress_routed:
             return None
-        reason, _, blocks = request.headers.get(ROUTE_HEADER, "").partition(" ")
-        return (reason, int(blocks)) if reason and blocks.isdigit() else None
+        reason, blocks, cost = (request.headers.get(ROUTE_HEADER, "").split(" ") + ["", ""])[:3]
+        try:
+            return (reason, int(blocks), float(cost)) if reason else None
+        except ValueError:
+            return None
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.convert_ids_to_tokens([token_id])[0]

@@ -45,8 +45,9 @@ class Call:
     trace_parent: Context | None = None  # the client's `traceparent`, if it sent one
     n: int = 1  # choices: each one a sequence of its own in the pools
     cache_salt: str | None = None  # its KV namespace (routing/openai/access.py `cache_salt`)
-    # Why the ingress request router sent it to this replica: (reason, prefix blocks held).
-    route: tuple[str, int] | None = None
+    # Why the ingress request router sent it to this replica: (reason, prefix blocks held,
+    # its cost there: sequences it counted running plus the KV charge, routing/router/policy.py).
+    route: tuple[str, int, float] | None = None
 
     @property
     def cost(self) -> int:
@@ -205,6 +206,6 @@ def _request_attributes(call: Call) -> dict[str, Any]:
         "gen_ai.request.top_p": sp.top_p,
         "gen_ai.request.seed": sp.seed,
         "duet.request_id": call.request_id,
-        **({"duet.route.by": "ingress", "duet.route.reason": call.route[0], "duet.route.overlap_blocks": call.route[1]}
-           if call.route is not None else {}),
+        **({"duet.route.by": "ingress", "duet.route.reason": call.route[0], "duet.route.overlap_blocks": call.route[1],
+            "duet.route.cost": call.route[2]} if call.route is not None else {}),
     }

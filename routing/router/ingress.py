@@ -19,8 +19,8 @@ decode pool's unless `router.disaggregation.mode` is `always`), else the least l
 (sequences running, KV blocks free). It only picks; HAProxy sends the request, so the
 router counts a pick as load for a short window, after which the replica's own
 reports count it (serve_routers.PICK_ONLY). Its answer also tells the chosen replica
-why, in a header HAProxy sets on the request (`ROUTE_HEADER`: the decision's reason
-and the prefix blocks it holds), which the gateway there puts on the request's span.
+why, in a header HAProxy sets on the request (`ROUTE_HEADER`: the decision's reason,
+the prefix blocks it holds and its cost there), which the gateway there puts on the request's span.
 
 What it cannot see it does not guess. A body it cannot read as a completion or chat
 request, or one the gateway will refuse, is routed by load alone, and the replica
@@ -56,7 +56,7 @@ from routing.router.serve_routers import PICK_ONLY
 
 log = logging.getLogger("ray.serve")
 
-# Set by HAProxy from this router's answer, e.g. "prefix 12". HAProxy deletes any
+# Set by HAProxy from this router's answer, e.g. "prefix 12 0.250": reason, prefix blocks, cost. HAProxy deletes any
 # `x-serve-router-*` header a client sends to an app with an ingress request router.
 ROUTE_HEADER = "x-serve-router-duet-route"
 
@@ -100,7 +100,8 @@ class IngressRouter:
             answer: dict = {"replica_id": selection._replica.replica_id.to_full_id_str()}
         decision = view.take_pick(self.pool_name, selection._request_metadata.internal_request_id)
         if decision is not None:
-            answer["request_headers"] = {ROUTE_HEADER: f"{decision.reason} {decision.cached_blocks}"}
+            why = f"{decision.reason} {decision.cached_blocks} {decision.cost:.3f}"
+            answer["request_headers"] = {ROUTE_HEADER: why}
         return answer
 
     @router_app.get("/health")
