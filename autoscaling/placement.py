@@ -71,6 +71,25 @@ class Where(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillSide:
+    """The prefill pool's side of a pass's price (its router's view): the least prompt
+    tokens queued on a replica, and the longest prefix of this prompt a replica holds."""
+
+    queued_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSide:
+    """The side of the decode replica a local prefill would run on: the prefix of this
+    prompt it holds (tokens), its running sequences, and whether it has room."""
+
+    cached_tokens: int
+    running: int
+    fits: bool
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterView:
     """What the routers know when a pass is placed: the prefill pool's least queue and
     longest prefix of this prompt, and the decode replica a local prefill would go to

@@ -32,14 +32,22 @@ REPLICA_TPOT_MS = "replica_tpot_ms"  # per output token, at the SLO quantile
 MEAN_TPOT_MS = "mean_tpot_ms"  # per output token, the mean (what a step-time model predicts)
 MEAN_BATCH = "mean_batch"  # sequences decoding at once, on average over the window (what that TPOT was measured at)
 LOCAL_PROMPT_TOKENS_PER_S = "local_prompt_tokens_per_s"  # prompt tokens computed here per second (prefill on decode)
-# Gateway.
+# Ingress (the gateway inside each replica that decodes). Every replica reports its own
+# requests; `merge_ingress_reports` makes the cluster's view of them.
 ARRIVAL_PROMPT_TOKENS_PER_S = "arrival_prompt_tokens_per_s"
 ARRIVALS_PER_S = "arrivals_per_s"
 FINISHED = "finished"  # requests finished in the window (how much the latencies below are worth)
 TTFT_MS = "ttft_ms"  # end to end, queue included, at the SLO quantile
 TPOT_MS = "tpot_ms"
 GOODPUT = "goodput"  # fraction of the window's finished requests that met the SLO
+GOOD = "good"  # finished requests in the window that met the SLO (GOODPUT's numerator)
 IN_FLIGHT = "in_flight"
+# The window's TTFT and TPOT samples as histogram counts, one number per bucket
+# (`ttft_ms_bucket_<i>`): counts add up across replicas, so the merged histogram's
+# quantile is the quantile of the union of every replica's samples, to within one
+# bucket (LatencyBuckets.RATIO), not an average of per-replica quantiles.
+TTFT_BUCKET_PREFIX = f"{TTFT_MS}_bucket_"
+TPOT_BUCKET_PREFIX = f"{TPOT_MS}_bucket_"
 
 # Latency quantiles need samples: a longer window. Rates must follow a burst: a short one.
 WINDOW_S = 20.0
@@ -243,9 +251,59 @@ class DecodeSignals:
         }
 
 
+class LatencyBuckets:
+    """Fixed log-spaced bucket edges shared by every replica and the policy: bucket `i`
+    holds samples in [LOW_MS * RATIO**(i-1), LOW_MS * RATIO**i) ms, bucket 0 everything
+    below LOW_MS, the last everything above. A quantile read from merged counts is the
+    bucket's geometric middle, within a factor sqrt(RATIO) (~5%) of the exact
+    nearest-rank value.
+
+    The keys are the same in every report: Serve averages each key over its look-back
+    period, which only a fixed key set keeps meaningful (counts average linearly)."""
+
+    LOW_MS = 1.0
+    HIGH_MS = 600_000.0  # ten minutes: the gateway's default request deadline
+    RATIO = 1.1
+    COUNT = math.ceil(math.log(HIGH_MS / LOW_MS) / math.log(RATIO)) + 2
+
+    @classmethod
+    def index(cls, ms: float) -> int:
+        if ms < cls.LOW_MS:
+            return 0
+        return min(cls.COUNT - 1, 1 + math.floor(math.log(ms / cls.LOW_MS) / math.log(cls.RATIO)))
+
+    @classmethod
+    def middle_ms(cls, i: int) -> float:
+        if i <= 0:
+            return cls.LOW_MS
+        return cls.HIGH_MS if i >= cls.COUNT - 1 else cls.LOW_MS * cls.RATIO ** (i - 0.5)
+
+    @classmethod
+    def counts(cls, samples_s: list[float], prefix: str) -> dict[str, float]:
+        counts = [0.0] * cls.COUNT
+        for v in samples_s:
+            counts[cls.index(v * 1e3)] += 1.0
+        return {f"{prefix}{i}": c for i, c in enumerate(counts)}
+
+    @classmethod
+    def quantile_ms(cls, counts: list[float], q: float) -> float | None:
+        """The nearest-rank `q` quantile of the samples `counts` hold; None if empty."""
+        total = sum(counts)
+        if total <= 0:
+            return None
+        rank = max(1.0, math.ceil(q * total - 1e-9))
+        seen = 0.0
+        for i, c in enumerate(counts):
+            seen += c
+            if seen >= rank - 1e-9:
+                return cls.middle_ms(i)
+        return cls.middle_ms(cls.COUNT - 1)
+
+
 class GatewaySignals:
-    """The gateway's side: arrivals, and each finished request's TTFT and TPOT
-    against the SLO (`ttft_ms`, `tpot_ms` bounds; None: not judged)."""
+    """One ingress replica's side: arrivals, and each finished request's TTFT and TPOT
+    against the SLO (`ttft_ms`, `tpot_ms` bounds; None: not judged). Its report holds
+    the window's latencies as bucket counts too, for `merge_ingress_reports`."""
 
     def __init__(self, ttft_ms: float | None, tpot_ms: float | None, quantile: float = 0.9,
                  span_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
@@ -285,11 +343,33 @@ class GatewaySignals:
             ARRIVALS_PER_S: self.arrivals.rate(),
             ARRIVAL_PROMPT_TOKENS_PER_S: self.prompt_tokens.rate(),
             FINISHED: float(self.good.count()),
+            GOOD: self.good.total(),
             TTFT_MS: _ms(self.ttft.quantile(self.quantile)),
             TPOT_MS: _ms(self.tpot.quantile(self.quantile)),
             GOODPUT: -1.0 if goodput is None else goodput,
             IN_FLIGHT: float(self.in_flight),
+            **LatencyBuckets.counts(self.ttft.values(), TTFT_BUCKET_PREFIX),
+            **LatencyBuckets.counts(self.tpot.values(), TPOT_BUCKET_PREFIX),
         }
+
+
+# Ingress signals that add up across replicas.
+_SUMMED = (ARRIVALS_PER_S, ARRIVAL_PROMPT_TOKENS_PER_S, FINISHED, GOOD, IN_FLIGHT)
+
+
+def merge_ingress_reports(reports: list[Mapping[str, float]], quantile: float) -> dict[str, float]:
+    """The cluster's ingress view from every ingress replica's `GatewaySignals.report()`:
+    rates, counts and requests in flight add up; goodput is the union's (good over
+    finished); the TTFT and TPOT tails are the `quantile` of the union of the
+    replicas' samples, read from their summed bucket counts. A report without buckets
+    (a replica of an older version) adds its counts but no latency samples."""
+    out = {k: sum(r.get(k, 0.0) for r in reports) for k in _SUMMED}
+    finished, good = out[FINISHED], out[GOOD]
+    out[GOODPUT] = good / finished if finished > 0 else -1.0
+    for key, prefix in ((TTFT_MS, TTFT_BUCKET_PREFIX), (TPOT_MS, TPOT_BUCKET_PREFIX)):
+        counts = [sum(max(0.0, r.get(f"{prefix}{i}", 0.0)) for r in reports) for i in range(LatencyBuckets.COUNT)]
+        out[key] = _ms(None if (q := LatencyBuckets.quantile_ms(counts, quantile)) is None else q / 1e3)
+    return out
 
 
 def _ms(seconds: float | None) -> float:

@@ -275,7 +275,7 @@ class ReplicaSampler:
     def _run(self) -> None:
         from ray import serve
 
-        from cluster.serve_cli import APP_NAME
+        from cluster.serve_config import APP_NAME
 
         while not self._stop.is_set():
             try:

@@ -20,20 +20,20 @@ Each way gets its best layout on this machine: the in-process engine `--threads`
 `--served-threads` (2), its engine core in a child process (`--engine-thread` puts it
 back on a thread of the replica: with a second OpenMP thread it then lost ~20% to the
 replica's event loop, and two one-thread replicas did no better; docs/benchmarks.md),
-and the gateway inside that replica (`gateway.colocate`; `--relay` gives the gateway a
-replica of its own, which relays every token over Ray: 54% against 69% of in-process
-at c=32), with HAProxy in front (`gateway.ingress: haproxy`: each connection goes to
+and the gateway inside that replica (the one topology; before it, a gateway replica of
+its own relayed every token over Ray: 54% against 69% of in-process at c=32), with
+HAProxy in front (`gateway.ingress: haproxy`: each connection goes to
 the replica's own HTTP server; `--ingress proxy` puts Serve's Python proxy back, which
 relays every chunk over Ray); the disaggregated mode 1 prefill + 1 decode replica
 whose engines lend each other idle cores (`engine.share_cores`), each with a team of
-up to `--prefill-threads` and `--decode-threads` (2 and 2: deploy/disaggregated-direct.yaml;
+up to `--prefill-threads` and `--decode-threads` (2 and 2;
 `--no-share-cores --prefill-threads 1 --decode-threads 1` is the pools' own default, a
 core each, which left the decode engine on one thread while prefill's core idled:
 57-78% of aggregated against 79-118%, three rounds each), both engines in a child process
-(`--engine-thread` puts them back on a thread), the gateway inside the decode replica
-(`--relay`: a gateway replica of its own). With one replica per pool there is nothing
-to choose: both modes serve with `router.policy: default`, so no KV-aware router
-hashes prompts and HAProxy asks no ingress request router (2-3 ms of TTFT).
+(`--engine-thread` puts them back on a thread), the gateway inside the decode replica.
+With one replica per pool there is nothing to choose: both modes serve with
+`router.policy: default`, so no KV-aware router hashes prompts and HAProxy asks no
+ingress request router (2-3 ms of TTFT).
 
 The prompts are loadgen's `random` workload (its seed per point), so the engine
 and the servers see the same words; each point has its own seed, so no point is
@@ -152,13 +152,12 @@ class Layout:
     pd_threads: tuple[int, int] = (2, 2)  # prefill, decode: teams of up to two, cores shared
     engine_process: bool = True  # every pool's engine core in a child process
     share_cores: bool = True  # the engine cores lend each other idle cores (engine.share_cores)
-    colocate: bool = True  # the gateway inside the replica that decodes
     ingress: str = "haproxy"
 
     def config(self, mode: str) -> ClusterConfig:
         overrides = {"mode": mode, "gateway.port": self.port, "engine.dtype": self.dtype,
                      "engine.stream_interval": self.stream_interval, "gateway.ingress": self.ingress,
-                     "gateway.colocate": self.colocate, "engine.share_cores": self.share_cores}
+                     "engine.share_cores": self.share_cores}
         if mode == "disaggregated" or self.aggregated_replicas == 1:
             # One replica per pool: nothing to choose, so no KV-aware routers and no
             # ingress request router hop (routing/router/ingress.py).
@@ -289,8 +288,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="every replica runs its engine on a thread, not in a child (the pools' engine_process)")
     p.add_argument("--ingress", choices=["proxy", "haproxy"], default="haproxy",
                    help="the servers' gateway.ingress: Serve's Python proxy, or HAProxy to the replica's own server")
-    p.add_argument("--relay", action="store_true",
-                   help="a gateway replica of its own relays the tokens (gateway.colocate off)")
     p.add_argument("--prefill-threads", type=int, default=2, help="the disaggregated prefill replica's threads")
     p.add_argument("--decode-threads", type=int, default=2, help="the disaggregated decode replica's threads")
     p.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=True,
@@ -318,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
                     "torch": torch.__version__, "threads": a.threads, "served_threads": a.served_threads,
                     "served_replicas": a.served_replicas, "engine_process": not a.engine_thread,
-                    "colocate": not a.relay, "ingress": a.ingress,
+                    "ingress": a.ingress,
                     "pd_threads": [a.prefill_threads, a.decode_threads], "share_cores": a.share_cores,
                     "step_trace": a.step_trace, "rounds": a.rounds},
         "workload": {"input_len": a.input_len, "output_len": a.output_len, "dtype": a.dtype,
@@ -329,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = Layout(dtype=a.dtype, port=a.port, stream_interval=a.stream_interval,
                     aggregated_threads=a.served_threads, aggregated_replicas=a.served_replicas,
                     pd_threads=(a.prefill_threads, a.decode_threads), engine_process=not a.engine_thread,
-                    share_cores=a.share_cores, colocate=not a.relay, ingress=a.ingress)
+                    share_cores=a.share_cores, ingress=a.ingress)
     ways = ["in_process", *a.modes]
     result["rounds"] = []
     for number in range(a.rounds):

@@ -1,5 +1,6 @@
 """Builds the Ray Serve application from a `ClusterConfig`: the pools as
-deployments, the gateway as ingress, each sized from its pool config."""
+deployments, the one that decodes as the HTTP ingress with the gateway inside each of
+its replicas, each sized from its pool config."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from cluster.config import ClusterConfig, PoolConfig
-from cluster.pools import placement
-from decode.aggregated import AggregatedServer
-from decode.server import DecodeServer
 from engine.engine import expected_model_fingerprint
 from kvtransfer.events.config import PrefixIndexConfig
 from prefill.server import PrefillServer
@@ -123,42 +121,23 @@ def _telemetry(cfg: ClusterConfig) -> dict:
 
 
 def build_app(cfg: ClusterConfig):
-    """The Serve application: every replica gets its own room's settings, dumped."""
-    gateway_env = dict(REPLICA_ENV)
-    if os.environ.get(KEYS_ENV):  # the gateway may run on another node: hand the keys over
-        gateway_env[KEYS_ENV] = os.environ[KEYS_ENV]
-    gateway_opts: dict = {
-        "ray_actor_options": {"num_cpus": cfg.gateway.num_cpus, "runtime_env": {"env_vars": gateway_env}},
-        "max_ongoing_requests": cfg.gateway.max_pending_requests * 2,
-        "graceful_shutdown_wait_loop_s": 0.5,
-        "graceful_shutdown_timeout_s": cfg.gateway.drain_timeout_s,
-    }
-    if cfg.gateway.node_group:
-        gateway_opts["ray_actor_options"]["resources"] = placement(cfg.gateway.node_group)
-    goodput = cfg.scaled_pools("goodput")
-    if goodput:  # the policy reads the gateway's latencies: one replica, reporting
-        interval = min(p.autoscaling.signal_interval_s for p in goodput.values())
-        gateway_opts["autoscaling_config"] = signal_only_autoscaling(1, 1, 1, interval)
-    gateway = Gateway.options(**gateway_opts)
+    """The Serve application: the pool that decodes as the HTTP ingress (the gateway
+    inside each of its replicas), the prefill pool beside it in P/D mode, and, behind
+    HAProxy with the KV-aware router, the ingress request router. Every replica gets
+    its own room's settings, dumped."""
+    env = dict(REPLICA_ENV)
+    if os.environ.get(KEYS_ENV):  # the ingress replicas may run on other nodes: hand the keys over
+        env[KEYS_ENV] = os.environ[KEYS_ENV]
     gateway_args = {"gateway": cfg.gateway.model_dump(), "engine": cfg.engine.model_dump(),
                     "telemetry": _telemetry(cfg), "slo": cfg.slo.model_dump(),
                     "ingress_routed": cfg.routes_at_ingress()}
     routers = router_configs(cfg)
     prefix_index = PrefixIndexConfig.model_validate(cfg.router.model_dump(include=set(PrefixIndexConfig.model_fields)))
-    if cfg.mode == "aggregated" and cfg.gateway.colocate:
-        colocated = {**_pool_args(cfg, cfg.aggregated), "engine_process": cfg.aggregated.engine_process is not False}
-        if cfg.routes_at_ingress():  # the router follows the replicas' KV events
-            colocated["prefix_index"] = prefix_index.model_dump()
-        return _with_ingress_router(cfg, _colocated(cfg, gateway_env, routers=routers).bind(
-            **gateway_args, colocated=colocated), gateway_env)
     if cfg.mode == "aggregated":
-        aggregated_opts = _options("aggregated", cfg.aggregated)
-        if routers:
-            aggregated_opts["request_router_config"] = routers["aggregated"]
-        pool = serve.deployment(AggregatedServer).options(**aggregated_opts).bind(
-            **_pool_args(cfg, cfg.aggregated), engine_process=cfg.aggregated.engine_process is not False,
-            prefix_index=prefix_index.model_dump() if routers else None)
-        return gateway.bind(**gateway_args, aggregated=pool)
+        server = {**_pool_args(cfg, cfg.aggregated), "engine_process": cfg.aggregated.engine_process is not False}
+        if routers:  # the routers follow the replicas' KV events
+            server["prefix_index"] = prefix_index.model_dump()
+        return _with_ingress_router(cfg, _ingress(cfg, env, routers=routers).bind(**gateway_args, server=server), env)
     # A prefill replica's leases outlive its calls; so do a draining decode replica's
     # (the sequences it moved).
     lease_drain_s = cfg.transfer.lease_ttl_s + 5
@@ -174,22 +153,16 @@ def build_app(cfg: ClusterConfig):
     )
     # Decode's KV events serve only prompts prefilled on decode (router.disaggregation).
     decode_events = prefix_index.model_dump() if cfg.router.disaggregation.mode != "always" else None
-    decode_args = {**_pool_args(cfg, cfg.decode), "transfer": cfg.transfer.model_dump(), "prefix_index": decode_events,
-                   "engine_process": cfg.decode.engine_process}
-    pd_args = {"disaggregation": cfg.router.disaggregation.model_dump(), "transfer_timeout_s": cfg.transfer.timeout_s}
-    if cfg.gateway.colocate:
-        return _with_ingress_router(cfg, _colocated(
-            cfg, gateway_env, drain_at_least_s=lease_drain_s, routers=routers,
-        ).bind(**gateway_args, **pd_args, prefill=prefill, colocated=decode_args), gateway_env)
-    decode_opts = _options("decode", cfg.decode, drain_at_least_s=lease_drain_s)
-    if routers:
-        decode_opts["request_router_config"] = routers["decode"]
-    decode = serve.deployment(DecodeServer).options(**decode_opts).bind(**decode_args)
-    return gateway.bind(**gateway_args, **pd_args, prefill=prefill, decode=decode)
+    server = {**_pool_args(cfg, cfg.decode), "transfer": cfg.transfer.model_dump(), "prefix_index": decode_events,
+              "engine_process": cfg.decode.engine_process}
+    return _with_ingress_router(cfg, _ingress(cfg, env, drain_at_least_s=lease_drain_s, routers=routers).bind(
+        **gateway_args, prefill=prefill, server=server, disaggregation=cfg.router.disaggregation.model_dump(),
+        transfer_timeout_s=cfg.transfer.timeout_s,
+    ), env)
 
 
 def _with_ingress_router(cfg: ClusterConfig, pool, env: dict):
-    """`pool` (a colocated deployment, bound) as the app; behind HAProxy with the KV-aware
+    """`pool` (the ingress deployment, bound) as the app; behind HAProxy with the KV-aware
     router, with the ingress request router that chooses among its replicas
     (`ClusterConfig.routes_at_ingress`), from the load and KV events they report."""
     if not cfg.routes_at_ingress():
@@ -202,27 +175,27 @@ def _with_ingress_router(cfg: ClusterConfig, pool, env: dict):
     return pool._with_ingress_request_router(router)
 
 
-def _colocated(cfg: ClusterConfig, env: dict, drain_at_least_s: float = 0.0,
-               routers: dict[str, RequestRouterConfig] | None = None):
-    """`gateway.colocate`: the gateway as one deployment with the pool that streams the
-    tokens (`ClusterConfig.ingress_deployment`: aggregated, or decode), named after the
-    pool and sized by it: each replica runs the gateway and that pool's engine, and
-    streams the tokens it makes. Serve's proxy (or HAProxy) hands each HTTP request to
-    one of them by load, unless the ingress request router chooses
-    (`_with_ingress_router`) with the pool's router from `routers`. A colocated decode
-    replica's own handle to its deployment (the others, for migrations and moves) uses
-    that router too."""
+def _ingress(cfg: ClusterConfig, env: dict, drain_at_least_s: float = 0.0,
+             routers: dict[str, RequestRouterConfig] | None = None):
+    """The ingress deployment: the pool whose replicas stream the tokens
+    (`ClusterConfig.ingress_deployment`: aggregated, or decode in P/D), named after the
+    pool and sized and scaled by it, each replica running the gateway and that pool's
+    engine. HAProxy (or Serve's proxy) hands each HTTP request to one of them by load,
+    unless the ingress request router chooses (`_with_ingress_router`) with the pool's
+    router from `routers`. A decode replica's own handle to its deployment (the
+    others, for migrations and moves) uses that router too."""
     name = cfg.ingress_deployment()
     pool = cfg.pools()[name]
-    opts = _options(name, pool, drain_at_least_s)
+    opts = _options(name, pool, max(drain_at_least_s, cfg.gateway.drain_timeout_s))
     opts["ray_actor_options"]["num_cpus"] = pool.num_cpus + cfg.gateway.num_cpus
     opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
-    if cfg.gateway.node_group and not pool.node_group:
-        opts["ray_actor_options"]["resources"] = placement(cfg.gateway.node_group)
     # The gateway's admission answers 429; a decode replica also takes the passes and
     # moved sequences the others hand on.
     opts["max_ongoing_requests"] = cfg.gateway.max_pending_requests * 2 + (pool.max_ongoing_requests
                                                                          if name == "decode" else 0)
-    if routers and cfg.routes_at_ingress():
+    # The pool's router also places the passes its replicas hand each other (it keeps a
+    # replica whose engine is lost out of them); behind Serve's proxy it orders an HTTP
+    # request's candidates at random.
+    if routers:
         opts["request_router_config"] = routers[name]
     return Gateway.options(**opts)

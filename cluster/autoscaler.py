@@ -5,7 +5,9 @@ config's `autoscaling_policy.policy_kwargs`: the cluster config) on every
 control-loop tick with the autoscaling context of each deployment of the app:
 replicas running and asked for, and what each replica's `record_autoscaling_stats()`
 last reported. It turns those into the pure policy's view (autoscaling/policy.py), returns each pool's replica
-count, and records the decision as metrics. A pool with `policy: queue` gets Serve's
+count, and records the decision as metrics. The end-to-end latencies come from the
+ingress deployment (the replicas that decode, each with the gateway inside): every
+replica reports its own requests, merged here (`merge_ingress_reports`). A pool with `policy: queue` gets Serve's
 own rule here (an app-level policy replaces the deployments' own).
 """
 
@@ -15,17 +17,14 @@ import logging
 import time
 from collections.abc import Mapping
 
-from autoscaling import signals as sig
 from autoscaling.config import BudgetConfig, SLOConfig
 from autoscaling.policy import GoodputPolicy, PoolPolicy, PoolState
-from autoscaling.signals import ReplicaReport
-from cluster.pools import POOLS_BY_MODE, PoolConfig
+from autoscaling.signals import ReplicaReport, merge_ingress_reports
+from cluster.pools import INGRESS_POOL, POOLS_BY_MODE, PoolConfig
 from telemetry import metrics
 
 # The controller's own logger: decisions land in its log (logs/serve/controller_*.log).
 log = logging.getLogger("ray.serve")
-
-GATEWAY = "gateway"
 
 
 class GoodputAutoscaler:
@@ -37,14 +36,16 @@ class GoodputAutoscaler:
 
     def __init__(self, config: dict) -> None:
         goodput, self.queue_pools = {}, set()
-        for name in POOLS_BY_MODE[config.get("mode", "disaggregated")]:
+        mode = config.get("mode", "disaggregated")
+        self.ingress = INGRESS_POOL[mode]
+        for name in POOLS_BY_MODE[mode]:
             pool = PoolConfig.model_validate(config.get(name) or {})
             if pool.scaling == "queue":
                 self.queue_pools.add(name)
             elif pool.scaling == "goodput":
                 a = pool.autoscaling
                 goodput[name] = PoolPolicy(name, a, a.load_profile(), pool.num_cpus, pool.num_gpus)
-        slo = SLOConfig.model_validate(config.get("slo") or {})
+        slo = self.slo = SLOConfig.model_validate(config.get("slo") or {})
         budget = BudgetConfig.model_validate(config.get("budget") or {})
         self.policy = GoodputPolicy(goodput, slo, budget)
         self._first_seen: dict[str, float] = {}
@@ -54,7 +55,7 @@ class GoodputAutoscaler:
     def __call__(self, contexts: Mapping) -> tuple[dict, dict]:
         now = time.monotonic()
         by_name = {ctx.deployment_name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
-        gateway = self._gateway_view(by_name.get(GATEWAY, (None, None))[1])
+        gateway = self._ingress_view(by_name.get(self.ingress, (None, None))[1])
         states = {name: self._pool_state(ctx, now) for name, (_, ctx) in by_name.items() if name in self.policy.pools}
         running = {r.replica_id for st in states.values() for r in st.replicas}
         self._first_seen = {k: v for k, v in self._first_seen.items() if k in running}  # replicas gone
@@ -75,19 +76,12 @@ class GoodputAutoscaler:
             reports.append(ReplicaReport(key, now - first, values.get(key, {})))
         return PoolState(ctx.target_num_replicas, tuple(reports))
 
-    @staticmethod
-    def _gateway_view(ctx) -> dict[str, float]:
-        """The gateway replicas' reports combined: rates add up, tails take the worst."""
+    def _ingress_view(self, ctx) -> dict[str, float]:
+        """The ingress replicas' end-to-end reports merged: rates add up, the tails are
+        the quantiles of the union of their samples."""
         if ctx is None:
             return {}
-        out: dict[str, float] = {}
-        for values in _per_replica(ctx).values():
-            for k, v in values.items():
-                if k in (sig.ARRIVALS_PER_S, sig.ARRIVAL_PROMPT_TOKENS_PER_S, sig.FINISHED, sig.IN_FLIGHT):
-                    out[k] = out.get(k, 0.0) + v
-                else:
-                    out[k] = max(out.get(k, -1.0), v)
-        return out
+        return merge_ingress_reports(list(_per_replica(ctx).values()), self.slo.goodput_target)
 
     def _record(self, decisions) -> None:
         if self._recorder is None:

@@ -20,7 +20,6 @@ os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # `main(argv) -> int`; imported only when its target runs (most load torch).
 BENCH_TARGETS: dict[str, str] = {
     "engine": "bench.engine",
-    "profile": "bench.profile",
     "serve": "bench.serve",
     "efficiency": "bench.efficiency",
     "kv": "bench.kv",
@@ -29,15 +28,11 @@ BENCH_TARGETS: dict[str, str] = {
     "tracing": "bench.tracing",
     "autoscale": "bench.autoscale",
     "startup": "bench.startup",
-    "idle": "bench.idle",
-    "grammar": "bench.grammar",
     "structured": "bench.structured",
     "speculative": "bench.speculative",
     "disaggregation": "bench.disaggregation",
     "choices": "bench.choices",
-    "phases": "bench.phases",
     "move": "bench.move",
-    "packing": "bench.packing",
 }
 
 
@@ -59,7 +54,8 @@ def cmd_generate(args) -> int:
 
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from engine.sampling_params import InvalidRequest, SamplingParams
+    from engine.errors import InvalidRequest
+    from engine.sampling_params import SamplingParams
 
     try:
         sp = SamplingParams(

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from autoscaling.config import BudgetConfig, SLOConfig
-from cluster.pools import POOLS_BY_MODE, PoolConfig
+from cluster.pools import INGRESS_POOL, POOLS_BY_MODE, PoolConfig
 from engine.config import ConfigError, EngineConfig
 from engine.external_kv import check_chunk_size
 from kvtransfer.config import TransferConfig
@@ -42,7 +42,7 @@ class ClusterConfig(Strict):
     cache: KVTierConfig = KVTierConfig()
     gateway: GatewayConfig = GatewayConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
-    # What the goodput autoscaling policy holds the gateway's latencies to, and what
+    # What the goodput autoscaling policy holds the ingress replicas' latencies to, and what
     # the autoscaled pools may hold together.
     slo: SLOConfig = SLOConfig()
     budget: BudgetConfig = BudgetConfig()
@@ -57,46 +57,32 @@ class ClusterConfig(Strict):
             # One pool doing both phases has no prefill or decode signals of its own.
             raise ValueError("aggregated.autoscaling.policy: goodput scales a prefill and a decode pool; "
                              "use queue or fixed in aggregated mode")
-        if self.gateway.colocate:
-            self._check_colocated()
-        return self
-
-    def _check_colocated(self) -> None:
-        if self.scaled_pools("goodput"):
-            # The goodput policy reads end-to-end latencies from the gateway's one
-            # deployment; colocated, every pool replica is a gateway.
-            raise ValueError("gateway.colocate: the goodput policy needs the gateway as a deployment of its own; "
-                             "scale the pools by queue or fix them")
-        if self.mode == "disaggregated":
-            return  # the gateway runs in each decode replica; the prefill router still places prompts
-        if self._kv_aware_among_colocated() and self.gateway.ingress != "haproxy":
+        if self._kv_aware_among_several() and self.gateway.ingress != "haproxy":
             # Serve's Python proxy picks the ingress replica by load alone; only HAProxy
             # asks an ingress request router, which can read the prompt.
-            raise ValueError("gateway.colocate: with more than one aggregated replica the KV-aware router "
+            raise ValueError("gateway.ingress: with more than one aggregated replica the KV-aware router "
                              "chooses among them only behind gateway.ingress: haproxy; use that, "
                              "router.policy: default, or one replica")
+        return self
 
-    def _kv_aware_among_colocated(self) -> bool:
+    def _kv_aware_among_several(self) -> bool:
         pool = self.aggregated
         several = pool.replicas > 1 if pool.scaling == "fixed" else pool.autoscaling.max_replicas > 1
         return self.mode == "aggregated" and several and self.router.policy == "kv_aware"
 
     def ingress_deployment(self) -> str:
-        """The deployment that takes the HTTP requests: with `gateway.colocate` the pool
-        whose replicas stream the tokens (aggregated, or decode in P/D), else the
-        gateway's own (routing/openai/gateway.py names it so)."""
-        if self.gateway.colocate:
-            return "aggregated" if self.mode == "aggregated" else "decode"
-        return "gateway"
+        """The deployment that takes the HTTP requests: the pool whose replicas stream
+        the tokens (aggregated, or decode in P/D), each with the gateway inside."""
+        return INGRESS_POOL[self.mode]
 
     def routes_at_ingress(self) -> bool:
         """Whether HAProxy asks the ingress request router (routing/router/ingress.py)
-        which colocated replica (aggregated, or decode in P/D) takes each request: the
+        which ingress replica (aggregated, or decode in P/D) takes each request: the
         pool router's KV-aware choice. Whatever the pool's size: a Serve config carries
         the size apart from this config (cluster/serve_config.py), and an operator may
         change it there. One replica has nothing to choose; `router.policy: default`
         spares it the hop."""
-        return self.gateway.colocate and self.gateway.ingress == "haproxy" and self.router.policy == "kv_aware"
+        return self.gateway.ingress == "haproxy" and self.router.policy == "kv_aware"
 
     def scaled_pools(self, policy: str) -> dict[str, PoolConfig]:
         """The pools whose `autoscaling.policy` is `policy`."""
@@ -116,7 +102,8 @@ class ClusterConfig(Strict):
         autoscaled pool at its `max_replicas`)."""
         def replicas(p: PoolConfig) -> int:
             return p.autoscaling.max_replicas if at_most and p.scaling != "fixed" else p.initial_replicas()
-        return self.gateway.num_cpus + sum(replicas(p) * p.num_cpus for p in self.pools().values())
+        ingress = replicas(self.pools()[self.ingress_deployment()]) * self.gateway.num_cpus  # the gateway in each
+        return ingress + sum(replicas(p) * p.num_cpus for p in self.pools().values())
 
     def check_fits(self, available_cpus: float) -> None:
         """Serve hangs silently when replicas need more CPUs than exist: fail first."""
@@ -126,7 +113,8 @@ class ClusterConfig(Strict):
                               for n, p in self.pools().items())
             raise ConfigError(
                 "num_cpus",
-                f"the pools need {need:g} CPUs ({parts}, gateway.num_cpus = {self.gateway.num_cpus:g}) "
+                f"the pools need {need:g} CPUs ({parts}, gateway.num_cpus = {self.gateway.num_cpus:g} "
+                f"in each {self.ingress_deployment()} replica) "
                 f"but the Ray cluster has {available_cpus:g}",
             )
 

@@ -22,6 +22,7 @@ own Python, Ray and duet, as the pods of the Helm chart would, not this environm
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -34,6 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.pools import node_resources
+from cluster.ray_start import NODE_START_TRIES
+from cluster.serve_cli import HAPROXY_DRAIN_S, HAPROXY_ENV
+
+log = logging.getLogger(__name__)
 
 RAY_PORT = 6380
 # Each node's Ray metrics agent serves Prometheus here (on the node's own IP).
@@ -42,8 +47,11 @@ METRICS_PORT = 8080
 SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000}
 # Where the image (deploy/Containerfile) has its virtual environment.
 IMAGE_VENV = "/home/ray/venv"
+# Serve's HAProxy ingress on every node, as the Helm chart sets it on every pod
+# (`gateway.ingress: haproxy`, the default, needs it of the whole cluster).
 NODE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONHASHSEED": "0",
-            "HF_HUB_OFFLINE": "1", "RAY_prestart_worker_first_driver": "0"}  # why: cluster/cli.py
+            "HF_HUB_OFFLINE": "1", "RAY_prestart_worker_first_driver": "0",  # why: cluster/cli.py
+            **HAPROXY_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": HAPROXY_DRAIN_S}
 
 
 @dataclass(frozen=True)
@@ -61,9 +69,10 @@ class NodeSpec:
     ray_start_params: tuple[tuple[str, str], ...] = ()
 
 
-# The layout of docs/deploy.md and the multi-node tests: one node per role.
+# The layout of docs/deploy.md and the multi-node tests: one node per pool, and a head
+# that runs Serve's controller and HAProxy (the HTTP ingress is the decode replica).
 DEFAULT_NODES = (
-    NodeSpec("head", ("gateway",), num_cpus=1, head=True),
+    NodeSpec("head", num_cpus=1, head=True),
     NodeSpec("prefill", ("prefill",), num_cpus=1),
     NodeSpec("decode", ("decode",), num_cpus=1),
 )
@@ -189,12 +198,21 @@ class NamespaceCluster:
             argv += ["--address", self.address]
         return argv
 
-    def start_node(self, node: str, timeout_s: float = 120.0) -> None:
+    def start_node(self, node: str, timeout_s: float = 120.0, tries: int = NODE_START_TRIES) -> None:
+        """`ray start` in the node's namespace; tried again (after killing what the try
+        left) when Ray's fixed 30 s wait for the raylet ran out on a busy machine
+        (cluster/ray_start.py)."""
         n = self.nodes[self._index[node]]
-        out = subprocess.run(self.in_netns(node, self.ray_start_argv(n)), env=self.node_env(), capture_output=True,
-                             text=True, timeout=timeout_s)
-        if out.returncode != 0:
-            raise RuntimeError(f"ray start on {node} failed ({out.returncode}): {out.stderr[-2000:]}")
+        for attempt in range(1, tries + 1):
+            out = subprocess.run(self.in_netns(node, self.ray_start_argv(n)), env=self.node_env(),
+                                 capture_output=True, text=True, timeout=timeout_s)
+            if out.returncode == 0:
+                return
+            if "timed out during startup" not in out.stderr + out.stdout or attempt == tries:
+                raise RuntimeError(f"ray start on {node} failed ({out.returncode}, try {attempt} of {tries}): "
+                                   f"{out.stderr[-2000:]}")
+            log.warning("ray start on %s timed out (try %d of %d): trying again", node, attempt, tries)
+            self.kill_node(node)
 
     def start(self, timeout_s: float = 180.0) -> None:
         """The network, then the head, then every worker node; waits until Ray lists

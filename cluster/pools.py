@@ -18,6 +18,9 @@ from autoscaling.config import PoolAutoscaling
 
 # The pools each mode deploys.
 POOLS_BY_MODE: dict[str, tuple[str, ...]] = {"disaggregated": ("prefill", "decode"), "aggregated": ("aggregated",)}
+# The pool whose replicas are the HTTP ingress (the gateway runs inside each): the one
+# that decodes, so the replica that makes the tokens streams them.
+INGRESS_POOL: dict[str, str] = {"disaggregated": "decode", "aggregated": "aggregated"}
 
 NODE_GROUP_UNITS = 1000
 NODE_GROUP_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$"

@@ -16,7 +16,6 @@ from cluster.config import ClusterConfig, ConfigError, load_config
 from engine.weights import served_model_name
 
 log = logging.getLogger("duet")
-APP_NAME = "duet"
 
 
 def add_parser(sub) -> None:
@@ -27,11 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-replicas", type=int, default=None)
     p.add_argument("--replicas", type=int, default=None, help="aggregated pool replicas")
     p.add_argument("--transfer-backend", choices=["nixl", "torch"], default=None)
-    p.add_argument("--colocate", action="store_true", default=None,
-                   help="the gateway runs inside each replica that decodes, which streams its own tokens "
-                        "(gateway.colocate)")
     p.add_argument("--ingress", choices=["proxy", "haproxy"], default=None,
-                   help="what carries HTTP to the ingress replicas (gateway.ingress): Serve's proxy, or HAProxy")
+                   help="what carries HTTP to the replicas that decode, each the gateway (gateway.ingress): "
+                        "HAProxy (the default), or Serve's Python proxy")
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--host", default=None)
@@ -57,7 +54,6 @@ def config_from_args(args) -> ClusterConfig:
             "engine.dtype": args.dtype,
             "gateway.host": args.host,
             "gateway.port": args.port,
-            "gateway.colocate": args.colocate,
             "gateway.ingress": args.ingress,
         },
     )
@@ -69,11 +65,13 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
     until /ready answers 200; returns the base URL."""
     import ray
 
-    if cfg.gateway.ingress == "haproxy":
-        use_haproxy(joining=bool(address) or ray.is_initialized())
+    joining = bool(address) or ray.is_initialized()
+    if cfg.gateway.ingress == "haproxy" and not joining:
+        use_haproxy()
     from ray import serve
 
     from cluster.app import CONTROLLER_ENV, REPLICA_ENV
+    from cluster.ray_start import init_local
     from cluster.serve_config import deploy, deploy_config
 
     if not ray.is_initialized():
@@ -84,8 +82,10 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
             # one machine more replicas share the same cores. "local": a new cluster,
             # never the one a `ray start` on this machine last recorded.
             cpus = max(os.cpu_count() or 1, int(cfg.required_cpus(at_most=True) + 0.999))
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
-                     runtime_env={"env_vars": REPLICA_ENV})
+            init_local(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
+                       runtime_env={"env_vars": REPLICA_ENV})
+    if cfg.gateway.ingress == "haproxy" and joining:
+        check_cluster_haproxy()
     cfg.check_fits(ray.cluster_resources().get("CPU", 0))
     serve.start(http_options={"host": cfg.gateway.host, "port": cfg.gateway.port},
                 controller_options={"runtime_env": {"env_vars": CONTROLLER_ENV}})
@@ -107,21 +107,39 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
 HAPROXY_DRAIN_S = "5"
 
 
-def use_haproxy(joining: bool) -> None:
-    """`gateway.ingress: haproxy` on the Ray this process starts. A cluster it joins
-    was configured when it started; say so rather than pretend."""
-    if joining:
-        if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
-            log.warning("gateway.ingress: haproxy needs the Ray cluster started with RAY_SERVE_ENABLE_HA_PROXY=1; "
-                        "joining one, its own setting applies")
-        return
+# What a Ray cluster must run with for `gateway.ingress: haproxy`: Serve's HAProxy
+# ingress, and the request body forwarded to the ingress request router.
+HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
+
+
+def use_haproxy() -> None:
+    """`gateway.ingress: haproxy` on the Ray this process starts."""
     # Serve reads the flag when its modules are imported, in every process: set before
     # Ray starts, it reaches the controller, the per-node ingress managers and the
     # replicas. The driver's own copy does not matter: it deploys through the controller.
-    os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     # The ingress request router reads the prompt (routing/router/ingress.py).
-    os.environ["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] = "1"
+    os.environ.update(HAPROXY_ENV)
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", HAPROXY_DRAIN_S)
+
+
+def check_cluster_haproxy() -> None:
+    """A Ray cluster this process joined runs with what `gateway.ingress: haproxy` needs,
+    or `duet serve` stops here, naming the setting. Serve reads the switch in each of
+    the cluster's processes, from the environment its `ray start` had: a task of no
+    CPUs reads that environment (this process's own does not matter)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def cluster_env() -> dict[str, str | None]:
+        return {k: os.environ.get(k) for k in HAPROXY_ENV}
+
+    seen = ray.get(cluster_env.remote(), timeout=120)
+    missing = [f"{k}={v}" for k, v in HAPROXY_ENV.items() if seen.get(k) != v]
+    if missing:
+        raise ConfigError("gateway.ingress", "haproxy (the default) needs the Ray cluster started with "
+                          f"{' '.join(missing)} (in the environment of every `ray start`; the Helm chart sets "
+                          "it); restart the cluster so, or set gateway.ingress: proxy (Serve's Python proxy, "
+                          "slower: every streamed chunk crosses a Ray hop)")
 
 
 def _scaling(pool) -> str:
@@ -137,20 +155,20 @@ HAPROXY_STATS_PORT = int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404"))
 HAPROXY_SERVERS_WAIT_S = 15.0
 
 
-def servers_up(stats_csv: str, deployment: str) -> int:
-    """Replicas of `deployment` that HAProxy forwards the app's requests to and finds UP,
-    from its stats page as CSV (one row per backend server; column 18 is the status,
-    "UP", or "UP 1/2" while its checks settle)."""
+def servers_up(stats_csv: str, app: str, deployment: str) -> int:
+    """Replicas of `app`'s `deployment` that HAProxy forwards the app's requests to and
+    finds UP, from its stats page as CSV (one row per backend server; column 18 is the
+    status, "UP", or "UP 1/2" while its checks settle)."""
     rows = [line.split(",") for line in stats_csv.splitlines() if not line.startswith("#")]
-    prefix = f"SERVE_REPLICA_{APP_NAME}-{deployment}-"
-    return sum(1 for row in rows if len(row) > 17 and row[0] == f"http-{APP_NAME}" and row[1].startswith(prefix)
+    prefix = f"SERVE_REPLICA_{app}-{deployment}-"
+    return sum(1 for row in rows if len(row) > 17 and row[0] == f"http-{app}" and row[1].startswith(prefix)
                and row[17].startswith("UP"))
 
 
-def haproxy_servers_up(deployment: str) -> int:
+def haproxy_servers_up(app: str, deployment: str) -> int:
     """`servers_up` of this machine's HAProxy."""
     with urllib.request.urlopen(f"http://127.0.0.1:{HAPROXY_STATS_PORT}/stats;csv", timeout=5) as r:
-        return servers_up(r.read().decode(), deployment)
+        return servers_up(r.read().decode(), app, deployment)
 
 
 def wait_haproxy_servers(deployment: str, timeout: float) -> None:
@@ -160,13 +178,15 @@ def wait_haproxy_servers(deployment: str, timeout: float) -> None:
     fallback proxy instead: served, but not where its prefix is."""
     from ray import serve
 
+    from cluster.serve_config import APP_NAME
+
     deadline = time.monotonic() + timeout
     running, up = 0, -1
     while time.monotonic() < deadline:
         try:
             status = serve.status().applications[APP_NAME].deployments[deployment]
             running = status.replica_states.get("RUNNING", 0)
-            up = haproxy_servers_up(deployment)
+            up = haproxy_servers_up(APP_NAME, deployment)
         except Exception as e:  # no stats page (yet): keep asking until the deadline
             log.debug("HAProxy stats: %s", e)
         if running and up >= running:

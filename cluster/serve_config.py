@@ -20,10 +20,10 @@ import os
 from cluster.app import REPLICA_ENV, build_app
 from cluster.config import ClusterConfig
 from cluster.pools import PoolConfig
-from cluster.serve_cli import APP_NAME
 from engine import model_cache
 from routing.openai.access import KEYS_ENV
 
+APP_NAME = "duet"  # the Serve application duet deploys
 IMPORT_PATH = "cluster.serve_config:build"
 POLICY_PATH = "cluster.autoscaler:GoodputAutoscaler"
 

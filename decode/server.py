@@ -19,6 +19,11 @@ here: each leaves the engine with its KV pinned, the replica's `KVExporter` leas
 the blocks the way prefill does, and the stream ends with a `SequenceMoved` whose
 `DecodeRequest` another decode replica imports and continues (sampler, detokenizer
 and grammar state included). The replica stops once those leases have ended.
+
+A decode engine core child that dies is replaced in place (engine/core_restarts.py):
+its streams fail at once and migrate to another replica (the pipeline never sends a
+pass back here meanwhile), and a new engine core, backend, importer and exporter
+take over in a few seconds; the routers see `serving: false` until then.
 """
 
 from __future__ import annotations
@@ -27,29 +32,47 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Any
 
+from autoscaling.placement import DecodeSide
 from autoscaling.signals import DecodeSignals
 from engine.async_engine import start_engine
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient, engine_in_child
+from engine.core_restarts import WAIT_FOR_RESTART_S, CoreRestarts
 from engine.engine import MovedSequence
+from engine.hashing import block_hashes
+from engine.kv_events import KVEvent
 from engine.replica_engine import ReplicaEngine
-from engine.request import FinishReason, RequestOutput
+from engine.request import EngineDead, FinishReason, RequestOutput
 from kvtransfer.backends import backend_for
+from kvtransfer.backends.base import KVTransferBackend
 from kvtransfer.config import TransferConfig
 from kvtransfer.drain import DrainWatch
 from kvtransfer.events.config import PrefixIndexConfig
 from kvtransfer.events.publisher import KVEventPublisher
 from kvtransfer.handoff import KVExporter, KVImporter
 from kvtransfer.messages import DecodeRequest, PrefillRequest, RoutingStats, SequenceMoved
-from kvtransfer.replica import close_in_order, node_ip, replica_id
+from kvtransfer.replica import close_in_order, node_ip, replica_id, retire_in_background
 from telemetry import tracing
 from telemetry.replica import ReplicaTelemetry
 from telemetry.tracing import SpanKind
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _DecodeCore:
+    """One engine core and what lives and dies with it: the transfer backend its KV
+    tensor is registered with, the importer that fills its blocks, and the exporter
+    of the sequences it moves out."""
+
+    engine: ReplicaEngine
+    backend: KVTransferBackend
+    importer: KVImporter
+    exporter: KVExporter
 
 
 class DecodeServer:
@@ -66,37 +89,96 @@ class DecodeServer:
                  telemetry: dict | None = None, engine_process: bool | None = None):
         self.transfer = TransferConfig.model_validate(transfer)
         self.replica_id = replica_id()
-        engine_cfg = EngineConfig.model_validate(engine)
-        kv_events = prefix_index is not None
-        # The engine core in a child process, its KV tensor in shared memory that this
-        # process maps and registers with the transfer backend (on a CPU).
-        self.aengine: ReplicaEngine = (
-            EngineCoreClient(engine_cfg, "decode", threads, kv_events=kv_events)
-            if engine_in_child(engine_process, engine_cfg, "decode")
-            else start_engine(engine_cfg, "decode", threads, kv_events=kv_events))
+        self._engine_cfg = EngineConfig.model_validate(engine)
+        self._threads = threads
+        self._kv_events = prefix_index is not None
+        self._in_child = engine_in_child(engine_process, self._engine_cfg, "decode")
+        self.telemetry = ReplicaTelemetry(telemetry, "decode", self.replica_id, self._metric_stats)
+        self._generation = 0
+        self.restarts = CoreRestarts(self._restart, f"decode replica {self.replica_id}")
+        self.core = self._start_core()
         # What this replica caches (imported prompts, local prefills, generated tokens),
         # published only when prompts may be prefilled here (`router.disaggregation` not
         # `always`): the decode router places them by it and `auto` prices them with it.
         # Every report carries the event log, so it is not sent for nothing.
         self.events = None if prefix_index is None else KVEventPublisher(
-            PrefixIndexConfig.model_validate(prefix_index).of_pool("decode"), engine_cfg.block_size,
-            self.replica_id, self.aengine.take_kv_events)
-        self.backend = backend_for(self.transfer, self.replica_id, self.aengine.model_id, host=node_ip())
-        self.backend.register(self.aengine.kv_data)  # before the engine serves anything
-        self.telemetry = ReplicaTelemetry(telemetry, "decode", self.replica_id, self._metric_stats)
-        self.importer = KVImporter(
-            self.backend, self.aengine, timeout_s=self.transfer.timeout_s, lease_ttl_s=self.transfer.lease_ttl_s,
-            recompute_on_failure=self.transfer.on_failure == "recompute", recorder=self.telemetry.metrics,
-        )
+            PrefixIndexConfig.model_validate(prefix_index).of_pool("decode"), self._engine_cfg.block_size,
+            self.replica_id, self._take_kv_events)
         self.signals = DecodeSignals()
-        self.exporter = KVExporter(self.backend, self.replica_id, self._free_blocks,
-                                   lease_ttl_s=self.transfer.lease_ttl_s, host=node_ip())
         self._moved: dict[str, MovedSequence] = {}  # leased as it left the engine, until its stream says so
         self._moves_out = 0
         self.drain = DrainWatch(self._on_drain)
         self._moving: asyncio.Future | None = None
         self._closed = False
         log.info("decode replica %s ready (backend %s)", self.replica_id, self.backend.name)
+
+    # ------------------------------------------------------------ the engine core
+    def _start_core(self) -> _DecodeCore:
+        """A new engine core (in a child process, its KV tensor in shared memory that
+        this process maps and registers with the transfer backend, on a CPU), a new
+        transfer backend (a new peer), the importer that fills its blocks and the
+        exporter of the sequences it hands on when it drains."""
+        self._generation += 1
+        generation = self._generation
+        made: list[Callable[[], None]] = []
+        try:
+            engine: ReplicaEngine = (
+                EngineCoreClient(self._engine_cfg, "decode", self._threads, kv_events=self._kv_events,
+                                 on_lost=lambda e: self._lost(generation, e))
+                if self._in_child
+                else start_engine(self._engine_cfg, "decode", self._threads, kv_events=self._kv_events))
+            made.append(engine.shutdown)
+            backend = backend_for(self.transfer, self.replica_id, engine.model_id, host=node_ip())
+            made.insert(0, backend.close)
+            backend.register(engine.kv_data)  # before the engine serves anything
+            importer = KVImporter(
+                backend, engine, timeout_s=self.transfer.timeout_s, lease_ttl_s=self.transfer.lease_ttl_s,
+                recompute_on_failure=self.transfer.on_failure == "recompute", recorder=self.telemetry.metrics,
+            )
+
+            def free_blocks(block_ids) -> None:  # a lease on blocks this engine moved out ended
+                engine.release_blocks(list(block_ids))
+
+            exporter = KVExporter(backend, self.replica_id, free_blocks, lease_ttl_s=self.transfer.lease_ttl_s,
+                                  host=node_ip())
+        except BaseException:
+            close_in_order(made, "decode (engine core that did not start)")
+            raise
+        return _DecodeCore(engine, backend, importer, exporter)
+
+    def _lost(self, generation: int, error: BaseException) -> None:
+        if generation == self._generation and not self._closed:
+            self.restarts.lost(error)
+
+    def _restart(self) -> None:
+        """Replace the lost engine core (on the restart thread). What it imported or
+        moved out failed with it; its backend closes once its imports have ended and
+        the leases of the sequences it moved out (their KV still mapped here) are over."""
+        old, self.core = self.core, self._start_core()
+        if self.events is not None:
+            self.events.engine_replaced(self._take_kv_events)
+        retire_in_background(lambda: old.importer.num_waiting == 0 and not len(old.exporter.leases),
+                             [old.exporter.close, old.backend.close, old.engine.shutdown], "decode",
+                             within_s=self.transfer.lease_ttl_s + self.transfer.timeout_s + 1.0)
+
+    def _take_kv_events(self) -> list[KVEvent]:
+        return self.core.engine.take_kv_events()
+
+    @property
+    def aengine(self) -> ReplicaEngine:
+        return self.core.engine
+
+    @property
+    def backend(self) -> KVTransferBackend:
+        return self.core.backend
+
+    @property
+    def importer(self) -> KVImporter:
+        return self.core.importer
+
+    @property
+    def exporter(self) -> KVExporter:
+        return self.core.exporter
 
     async def generate(
         self, req: DecodeRequest | PrefillRequest
@@ -105,6 +187,8 @@ class DecodeServer:
         imported), or all of them (a `PrefillRequest`: prefilled here); a
         `SequenceMoved` last when the replica drained and handed the request on."""
         self._watch_drain()
+        if self.lost_replica() is not None:  # sent here all the same: no other replica serves
+            await self.restarts.wait_for_engine(lambda: self.lost_replica() is None, WAIT_FOR_RESTART_S)
         span = tracing.start_span("decode", req.trace, SpanKind.SERVER, {
             "duet.request_id": req.request_id,
             "duet.replica": self.replica_id,
@@ -168,10 +252,6 @@ class DecodeServer:
                                                     m.first_token_time)
                 yield outs
 
-    def _free_blocks(self, block_ids) -> None:
-        """A lease on blocks this replica moved out ended: free them."""
-        self.aengine.release_blocks(list(block_ids))
-
     # ------------------------------------------------------------ moving on drain
     def _watch_drain(self) -> None:
         if self.transfer.move_on_drain and not self._closed:
@@ -212,15 +292,36 @@ class DecodeServer:
         """Read by Serve every `router.stats_period_s` for the decode router."""
         return RoutingStats.of_engine(
             self.aengine.stats, model_fingerprint=self.aengine.model_fingerprint,
-            kv_log=self.events.window() if self.events is not None else None,
+            kv_log=self.events.window() if self.events is not None else None, serving=self.restarts.serving,
         ).to_wire()
+
+    def lost_replica(self) -> str | None:
+        """This replica's id while its engine is lost (the pipeline sends passes
+        elsewhere), else None."""
+        try:
+            self.aengine.check_health()
+        except EngineDead:
+            return self.replica_id
+        return None
+
+    async def local_view(self, req: PrefillRequest) -> DecodeSide:
+        """This replica as the local side of `router.disaggregation: auto`'s price, read
+        from its own KV events (none published: no prefix)."""
+        stats = self.aengine.stats
+        need = -(-len(req.prompt_token_ids) // self.aengine.block_size) + 1
+        held = 0
+        if self.events is not None:
+            hashes = block_hashes(req.prompt_token_ids, self.aengine.block_size, self.aengine.model_fingerprint,
+                                  req.cache_salt)
+            held = self.events.leading_cached(hashes) * self.aengine.block_size
+        return DecodeSide(held, stats.num_requests, stats.kv_blocks_free >= need)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by Serve every `metrics_interval_s` for the autoscaling policy."""
         return self.signals.report(self.aengine.stats, waiting_imports=self.importer.num_waiting)
 
     def _metric_stats(self) -> dict[str, Any]:
-        return self.aengine.stats.as_dict()
+        return {**self.aengine.stats.as_dict(), **self.restarts.stats()}
 
     async def stats(self) -> dict[str, Any]:
         m = self.backend.metrics.snapshot()  # the backend counts every pull, failures too
@@ -238,12 +339,17 @@ class DecodeServer:
             **(self.events.stats() if self.events is not None else {}),
             "moves_out": self._moves_out,
             "draining": self.drain.draining,
+            **self.restarts.stats(),
         }
 
     async def check_health(self) -> None:
+        """Fails only when the engine is gone for good: an engine core child that died
+        is being replaced (`restarts`); an engine thread that died is not."""
         self._watch_drain()
         self.importer.sweep()  # Serve calls this every few seconds
-        self.aengine.check_health()
+        self.restarts.check_health()
+        if not self._in_child:
+            self.aengine.check_health()
 
     def shutdown(self) -> None:
         """Serve calls this (through `__del__`) once the replica's calls have ended. The
@@ -253,11 +359,13 @@ class DecodeServer:
         if self._closed:
             return
         self._closed = True
+        self.restarts.close()
         self.drain.stop()
         left = self.exporter.drain(self.exporter.lease_ttl_s + 1.0)
         if left:
             log.warning("decode replica stopping with %d leases still active", left)
-        steps = [self.telemetry.close, self.exporter.close, self.backend.close, self.aengine.shutdown]
+        core = self.core
+        steps = [self.telemetry.close, core.exporter.close, core.backend.close, core.engine.shutdown]
         if self.events is not None:
             steps.append(self.events.close)
         close_in_order(steps, "decode")

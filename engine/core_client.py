@@ -40,7 +40,24 @@ import torch
 
 from engine.async_engine import EngineDead, Streams, drain, hand_off, route
 from engine.config import ConfigError, EngineConfig, Role, resolve_device
-from engine.core_process import EngineInfo
+from engine.core_messages import (
+    Abort,
+    Add,
+    AddImported,
+    Call,
+    Command,
+    Died,
+    EngineInfo,
+    Init,
+    MoveOut,
+    Ready,
+    Release,
+    Reply,
+    Reserve,
+    Step,
+    Stop,
+    ToChild,
+)
 from engine.engine import ExportedKV, MovedSequence
 from engine.external_kv import ExternalKVSpec
 from engine.kv_events import KVEvent
@@ -63,13 +80,17 @@ class EngineCoreClient:
     """Starts the engine core child, waits until it is warm, and talks to it."""
 
     def __init__(self, cfg: EngineConfig, role: Role, threads: int, kv_events: bool = False,
-                 on_export: Callable[[ExportedKV], None] | None = None, external_kv: ExternalKVSpec | None = None):
+                 on_export: Callable[[ExportedKV], None] | None = None, external_kv: ExternalKVSpec | None = None,
+                 on_lost: Callable[[BaseException], None] | None = None):
         """`on_export` (prefill): leases a finished request's pinned blocks, on the
         reader thread, before that step's outputs reach their streams. `external_kv`:
-        the external KV cache the child builds and attaches after its warm-up."""
+        the external KV cache the child builds and attaches after its warm-up.
+        `on_lost`: told on the reader thread, once, when the child dies after it was
+        ready (not when `shutdown` stops it), after every call and stream has failed."""
         if role == "prefill" and on_export is None:
             raise ValueError("a prefill engine core needs on_export: its exports would never be leased")
         self._on_export = on_export
+        self._on_lost = on_lost
         ours, theirs = socket.socketpair()
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         env["PYTHONPATH"] = os.pathsep.join([_PROJECT_ROOT, *filter(None, [env.get("PYTHONPATH")])])
@@ -80,7 +101,7 @@ class EngineCoreClient:
         # Commands go out through one writer thread, in order: a large prompt can fill
         # the socket's buffer until the child reads it between steps, and the replica's
         # event loop must not wait for that.
-        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[ToChild | None] = queue.SimpleQueue()
         self._calls: dict[int, tuple[concurrent.futures.Future, OnReply | None]] = {}
         self._call_ids = itertools.count()
         self._streams: Streams = {}
@@ -92,8 +113,7 @@ class EngineCoreClient:
         self._stop_timeout_s = STOP_TIMEOUT_S + (external_kv.close_timeout_s if external_kv is not None else 0.0)
         try:
             # Prefill and decode move the engine's KV from this process: share it.
-            self._conn.send(("init", cfg.model_dump(), role, threads, kv_events, role in SHARED_KV_ROLES,
-                             external_kv))
+            self._conn.send(Init(cfg.model_dump(), role, threads, kv_events, role in SHARED_KV_ROLES, external_kv))
             info, stats, external_stats = self._wait_ready()
         except BaseException:
             self._kill()
@@ -123,9 +143,9 @@ class EngineCoreClient:
             if time.monotonic() > deadline:
                 raise EngineDead(f"engine core not ready after {START_TIMEOUT_S:.0f} s")
         msg = self._conn.recv()
-        if msg[0] != "ready":
-            raise EngineDead(f"engine core failed to start: {msg[1]}")
-        return msg[1], msg[2], msg[3]
+        if not isinstance(msg, Ready):
+            raise EngineDead(f"engine core failed to start: {msg.message if isinstance(msg, Died) else msg!r}")
+        return msg.info, msg.stats, msg.external_kv_stats
 
     @property
     def kv_data(self) -> torch.Tensor:
@@ -138,13 +158,13 @@ class EngineCoreClient:
     def _read(self) -> None:
         try:
             while True:
-                msg = self._conn.recv()
-                if msg[0] == "step":
-                    self._on_step(*msg[1:])
-                elif msg[0] == "reply":
-                    self._on_reply(msg[1], msg[2], msg[3])
-                elif msg[0] == "died":
-                    raise EngineDead(msg[1])
+                match self._conn.recv():
+                    case Step() as step:
+                        self._on_step(step)
+                    case Reply(call_id, ok, value):
+                        self._on_reply(call_id, ok, value)
+                    case Died(message):
+                        raise EngineDead(message)
         except BaseException as e:
             if isinstance(e, (EOFError, OSError)):
                 e = EngineDead(f"engine core exited ({self.proc.poll()})")
@@ -176,17 +196,16 @@ class EngineCoreClient:
             except OSError:  # the child is gone: the reader sees it and fails everything
                 return
 
-    def _on_step(self, outputs: list[RequestOutput], stats: EngineStats, events: list[KVEvent],
-                 exports: list[ExportedKV], external_stats: dict[str, Any] | None) -> None:
-        for export in exports:  # before the outputs: a finished prefill's caller reads its lease
+    def _on_step(self, step: Step) -> None:
+        for export in step.exports:  # before the outputs: a finished prefill's caller reads its lease
             self._lease(export)
         with self._lock:
-            deliveries = route(outputs, self._streams)
-            if events:
-                self._events.extend(events)
-        self.stats = stats
-        if external_stats is not None:
-            self.external_kv_stats = external_stats
+            deliveries = route(step.outputs, self._streams)
+            if step.kv_events:
+                self._events.extend(step.kv_events)
+        self.stats = step.stats
+        if step.external_kv_stats is not None:
+            self.external_kv_stats = step.external_kv_stats
         hand_off(deliveries)
 
     def _lease(self, export: ExportedKV) -> None:
@@ -210,19 +229,25 @@ class EngineCoreClient:
                 fut.set_exception(e)
         for loop, q in streams.values():
             loop.call_soon_threadsafe(q.put_nowait, e)
+        if self._on_lost is not None and not self._stopping:
+            try:
+                self._on_lost(e)
+            except Exception:
+                log.exception("on_lost failed")
 
     # ------------------------------------------------------------ commands
     def check_health(self) -> None:
-        """Raise if the child died or hung up (Serve's health check restarts the replica)."""
+        """Raise if the child died or hung up (the replica then starts a new one:
+        engine/core_restarts.py)."""
         if self._error is not None:
             raise EngineDead(str(self._error))
         if self.proc.poll() is not None:
             raise EngineDead(f"engine core exited with {self.proc.returncode}")
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: ToChild) -> None:
         self._outbox.put(msg)
 
-    def _submit(self, *msg: Any, on_reply: OnReply | None = None) -> concurrent.futures.Future:
+    def _submit(self, command: Command, on_reply: OnReply | None = None) -> concurrent.futures.Future:
         """Send a command; its reply resolves the future. From any thread."""
         self.check_health()
         call_id = next(self._call_ids)
@@ -231,11 +256,11 @@ class EngineCoreClient:
             if self._error is not None:  # lost between the health check and here
                 raise EngineDead(str(self._error))
             self._calls[call_id] = (fut, on_reply)
-        self._send((msg[0], call_id, *msg[1:]))
+        self._send(Call(call_id, command))
         return fut
 
-    async def _call(self, *msg: Any, on_reply: OnReply | None = None) -> Any:
-        return await asyncio.wrap_future(self._submit(*msg, on_reply=on_reply))
+    async def _call(self, command: Command, on_reply: OnReply | None = None) -> Any:
+        return await asyncio.wrap_future(self._submit(command, on_reply=on_reply))
 
     async def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None,
@@ -245,7 +270,7 @@ class EngineCoreClient:
         `AsyncEngine.add_request`). The stream is registered before the child hears of
         the request, so no output can arrive unclaimed."""
         prompt = list(prompt_token_ids)
-        return await self._start(request_id, lambda: ("add", request_id, prompt, sampling, cache_salt, fork_of))
+        return await self._start(request_id, lambda: Add(request_id, prompt, sampling, cache_salt, fork_of))
 
     async def add_imported_request(
         self,
@@ -262,10 +287,11 @@ class EngineCoreClient:
         sent, so from then on they are the child's: it frees them if the request
         never starts, and an abort frees them after."""
         prompt = list(prompt_token_ids)
-        return await self._start(request_id, lambda: ("add_imported", request_id, prompt, first_token, sampling,
-                                                      take_blocks(), cache_salt, resume))
+        return await self._start(request_id, lambda: AddImported(request_id, prompt, first_token, sampling,
+                                                                 take_blocks(), cache_salt, resume))
 
-    async def _start(self, request_id: str, command: Callable[[], tuple]) -> AsyncGenerator[list[RequestOutput], None]:
+    async def _start(self, request_id: str, command: Callable[[], Command],
+                     ) -> AsyncGenerator[list[RequestOutput], None]:
         """Register the request's stream, then send the command that starts it (built
         only now, so blocks it takes go out at once): no output can arrive unclaimed."""
         loop = asyncio.get_running_loop()
@@ -274,7 +300,7 @@ class EngineCoreClient:
             self._streams[request_id] = (loop, q)
         try:
             self.check_health()
-            await self._call(*command())
+            await self._call(command())
         except asyncio.CancelledError:
             await asyncio.shield(self.abort(request_id))  # it may have started: nobody reads it
             raise
@@ -287,15 +313,22 @@ class EngineCoreClient:
     async def reserve_blocks(self, num_tokens: int) -> list[int] | None:
         """Free blocks for `num_tokens` of imported KV, or None while the pool (or the
         running batch) is full."""
-        return await self._call("reserve", num_tokens)
+        return await self._call(Reserve(num_tokens))
 
     def could_ever_hold(self, num_tokens: int) -> bool:
         """Whether the whole pool, empty, holds `num_tokens` (the pool's size never changes)."""
         return pool_holds(num_tokens, self.block_size, self.num_kv_blocks)
 
     def release_blocks(self, block_ids: list[int]) -> concurrent.futures.Future:
-        """Free blocks nobody will use; from any thread, without waiting."""
-        return self._submit("release", list(block_ids))
+        """Free blocks nobody will use; from any thread, without waiting. A dead
+        engine's blocks went with it: nothing to free (a lease that ends after the
+        engine died, an import discarded then)."""
+        try:
+            return self._submit(Release(list(block_ids)))
+        except EngineDead:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return done
 
     async def move_out(self, request_ids: list[str], on_moved: Callable[[MovedSequence], None]) -> list[str]:
         """Take these requests' decoding sequences out of the engine (as
@@ -314,13 +347,13 @@ class EngineCoreClient:
                 ids.append(seq.request_id)
             return ids
 
-        return await self._call("move_out", list(request_ids), on_reply=lease)
+        return await self._call(MoveOut(list(request_ids)), on_reply=lease)
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
         if self._error is None:
-            await self._call("abort", request_id)
+            await self._call(Abort(request_id))
 
     def take_kv_events(self) -> list[KVEvent]:
         with self._lock:
@@ -332,7 +365,7 @@ class EngineCoreClient:
         if self._stopping:
             return
         self._stopping = True
-        self._send(("stop",))
+        self._send(Stop())
         self._outbox.put(None)
         try:
             self.proc.wait(self._stop_timeout_s)

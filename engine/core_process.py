@@ -14,28 +14,21 @@ socket pair with pickled tuples (`Connection`): a step message of 32 outputs
 faster channel (shared memory, ZeroMQ) would buy nothing measurable here
 (docs/benchmarks.md).
 
-Messages, parent → child: `("add", call_id, request_id, prompt_ids, sampling,
-cache_salt, fork_of)`; a decode replica's import, `("add_imported", call_id,
-request_id, prompt_ids, first_token, sampling, block_ids, cache_salt, resume)` with
-`("reserve", call_id, num_tokens)` and `("release", call_id, block_ids)` around it;
-`("move_out", call_id, request_ids)` (a draining decode replica; the reply is the
-`MovedSequence`s, sent before the step that ends their streams); `("abort", call_id,
-request_id)`; `("stop",)`.
-Child → parent: `("ready", EngineInfo, stats, external_kv_stats)` once (with a shared
-KV tensor, its memfd follows on the socket: `SharedKV.send`), `("reply", call_id, ok, value)`,
-`("step", outputs, stats, kv_events, exports, external_kv_stats)` (exports: a prefill
-engine's `ExportedKV`s of that step, for the replica to lease before it delivers the
-outputs; external_kv_stats: its LMCache tier's counters, or None without one),
-`("died", message)` before a fatal exit.
+The messages are engine/core_messages.py's typed dataclasses: `Init`, then `Call`s of
+`Add`, `AddImported` (a decode replica's import, with `Reserve` and `Release` around
+it), `MoveOut` (a draining decode replica; the reply is the `MovedSequence`s, sent
+before the step that ends their streams) and `Abort`, then `Stop`; back come `Ready`
+once, a `Reply` per call, a `Step` per engine step (with a prefill engine's `ExportedKV`s
+of that step, for the replica to lease before it delivers the outputs) and `Died`
+before a fatal exit.
 
 Started as `python -m engine.core_process FD`, the socket's descriptor inherited; the
-first message on it is `("init", engine_config_dict, role, threads, kv_events,
-share_kv, external_kv)`. `external_kv` (an `ExternalKVSpec`, or None) names the
+first message on it is `Init`. Its `external_kv` (an `ExternalKVSpec`, or None) names the
 external KV cache (a prefill replica's LMCache tier) that the child builds around its
 KV tensor after the warm-up, attaches, and closes as it stops: the tier's reads and
 writes of the KV happen inside the engine's step, so the tier lives where the engine
 runs. With `share_kv` the KV tensor lives in shared memory, whose descriptor follows
-"ready" on the socket, so a prefill or decode replica registers it with NIXL (or gloo) in its own
+`Ready` on the socket, so a prefill or decode replica registers it with NIXL (or gloo) in its own
 process: decode pulls straight into the pages this engine reads, and a decode replica
 pulls from the pages a prefill engine wrote. The
 child exits when the socket closes or its parent changes (the replica died): it is
@@ -63,6 +56,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.core_messages import (
+    Abort,
+    Add,
+    AddImported,
+    Call,
+    Died,
+    EngineInfo,
+    Init,
+    MoveOut,
+    Ready,
+    Release,
+    Reply,
+    Reserve,
+    Step,
+    Stop,
+)
 from engine.step_trace import StepTrace
 
 if TYPE_CHECKING:
@@ -71,7 +80,6 @@ if TYPE_CHECKING:
     from engine.core_share import CoreShare
     from engine.engine import Engine, ExportedKV
     from engine.external_kv import ManagedExternalKV
-    from engine.kv_cache import SharedKV
     from engine.sampling_params import SamplingParams
     from engine.structured import GrammarMatcher
 
@@ -79,19 +87,6 @@ IDLE_POLL_S = 0.5  # how often an idle child checks that its parent still lives
 GRAMMAR_POLL_S = 0.002  # how often a child with only grammars compiling looks again
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the replica's side needs to know of the engine, sent once it is warm."""
-
-    model_id: str
-    model_fingerprint: str
-    block_size: int
-    num_kv_blocks: int
-    stream_interval: int
-    pid: int
-    shared_kv: SharedKV | None  # the KV tensor, for the replica to register with its transfer backend
 
 
 @dataclass
@@ -180,43 +175,41 @@ class _Core:
                 msg = self.conn.recv()
             except EOFError:
                 return False
-            if msg[0] == "stop":
+            if isinstance(msg, Stop):
                 return False
             self.changed = True
             self._command(msg)
         return True
 
-    def _command(self, msg: tuple) -> None:
-        kind, call_id = msg[0], msg[1]
-        eng = self.engine
+    def _command(self, call: Call) -> None:
+        call_id, eng = call.call_id, self.engine
         try:
-            if kind == "add":
-                _, _, request_id, prompt, sampling, cache_salt, fork_of = msg
-                self._start(_Start(call_id, request_id, sampling, [], lambda grammar: eng.add_request(
-                    prompt, sampling, request_id=request_id, grammar=grammar, cache_salt=cache_salt,
-                    fork_of=fork_of)))
-            elif kind == "add_imported":
-                _, _, request_id, prompt, first_token, sampling, blocks, cache_salt, resume = msg
-                num_output = 1 if resume is None else resume.num_output_tokens
-                self._start(_Start(call_id, request_id, sampling, [*prompt, first_token][-num_output:],
-                                   lambda grammar: eng.add_imported_request(
-                                       request_id, prompt, first_token, sampling, blocks, grammar=grammar,
-                                       cache_salt=cache_salt, resume=resume),
-                                   blocks))
-            elif kind == "abort":
-                self._drop_compiling(msg[2])
-                eng.abort(msg[2])
-                self._reply(call_id, True, None)
-            elif kind == "reserve":
-                self._reply(call_id, True, eng.reserve_import(msg[2]))
-            elif kind == "release":
-                eng.release_blocks(msg[2])
-                self._reply(call_id, True, None)
-            elif kind == "move_out":
-                moved = [seq for request_id in msg[2] if (seq := eng.move_out(request_id)) is not None]
-                self._reply(call_id, True, moved)
-            else:
-                raise ValueError(f"unknown engine core command {kind!r}")
+            match call.command:
+                case Add(request_id, prompt, sampling, cache_salt, fork_of):
+                    self._start(_Start(call_id, request_id, sampling, [], lambda grammar: eng.add_request(
+                        prompt, sampling, request_id=request_id, grammar=grammar, cache_salt=cache_salt,
+                        fork_of=fork_of)))
+                case AddImported(request_id, prompt, first_token, sampling, blocks, cache_salt, resume):
+                    num_output = 1 if resume is None else resume.num_output_tokens
+                    self._start(_Start(call_id, request_id, sampling, [*prompt, first_token][-num_output:],
+                                       lambda grammar: eng.add_imported_request(
+                                           request_id, prompt, first_token, sampling, blocks, grammar=grammar,
+                                           cache_salt=cache_salt, resume=resume),
+                                       blocks))
+                case Abort(request_id):
+                    self._drop_compiling(request_id)
+                    eng.abort(request_id)
+                    self._reply(call_id, True, None)
+                case Reserve(num_tokens):
+                    self._reply(call_id, True, eng.reserve_import(num_tokens))
+                case Release(block_ids):
+                    eng.release_blocks(block_ids)
+                    self._reply(call_id, True, None)
+                case MoveOut(request_ids):
+                    moved = [seq for request_id in request_ids if (seq := eng.move_out(request_id)) is not None]
+                    self._reply(call_id, True, moved)
+                case other:
+                    raise ValueError(f"unknown engine core command {other!r}")
         except Exception as e:
             self._reply(call_id, False, e)
 
@@ -264,7 +257,7 @@ class _Core:
     def _reply(self, call_id: int, ok: bool, value: Any) -> None:
         if not ok:
             value = _portable(value)
-        self.conn.send(("reply", call_id, ok, value))
+        self.conn.send(Reply(call_id, ok, value))
 
     def _exported(self, export: ExportedKV) -> None:
         self.exports.append(export)
@@ -272,8 +265,8 @@ class _Core:
     def _send_step(self, outputs: list) -> None:
         events = self.engine.take_kv_events()
         exports, self.exports = self.exports, []
-        self.conn.send(("step", outputs, self.engine.stats(), events if self.kv_events else [], exports,
-                        _counters(self.external_kv)))
+        self.conn.send(Step(outputs, self.engine.stats(), events if self.kv_events else [], exports,
+                            _counters(self.external_kv)))
 
 
 def _counters(external_kv: ManagedExternalKV | None) -> dict[str, Any] | None:
@@ -293,9 +286,10 @@ def _portable(e: BaseException) -> BaseException:
 def main(fd: int) -> int:
     conn = Connection(fd)
     try:
-        _, engine_cfg, role, threads, kv_events, share_kv, external_spec = conn.recv()
+        init: Init = conn.recv()
     except EOFError:
         return 1
+    role, threads, kv_events, external_spec = init.role, init.threads, init.kv_events, init.external_kv
     external_kv = None
     cores = None
     try:
@@ -306,25 +300,25 @@ def main(fd: int) -> int:
         from engine.kv_cache import SharedKV
 
         torch.set_num_threads(threads)
-        cfg = EngineConfig.model_validate(engine_cfg)
-        engine = Engine(cfg, role=role, share_kv=share_kv)
+        cfg = EngineConfig.model_validate(init.engine)
+        engine = Engine(cfg, role=role, share_kv=init.share_kv)
         warm_up(engine)
         if external_spec is not None:
             external_kv = attach_external_kv(engine, external_spec)
         if cfg.share_cores:
             cores = CoreShare(threads)
-        conn.send(("ready", EngineInfo(engine.model_id, engine.model_fingerprint, engine.cfg.block_size,
-                                       engine.block_pool.num_blocks, engine.cfg.stream_interval, os.getpid(),
-                                       engine.kv_cache.share()),
-                   engine.stats(), _counters(external_kv)))
-        if engine.kv_cache.memfd is not None:  # right behind "ready", before any other message
+        conn.send(Ready(EngineInfo(engine.model_id, engine.model_fingerprint, engine.cfg.block_size,
+                                   engine.block_pool.num_blocks, engine.cfg.stream_interval, os.getpid(),
+                                   engine.kv_cache.share()),
+                        engine.stats(), _counters(external_kv)))
+        if engine.kv_cache.memfd is not None:  # right behind `Ready`, before any other message
             SharedKV.send(fd, engine.kv_cache.memfd)
         _Core(conn, engine, kv_events, external_kv, cores).run()
         return 0
     except BaseException as e:
         log.exception("engine core died")
         try:
-            conn.send(("died", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+            conn.send(Died(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
         except OSError:
             pass
         return 1
@@ -337,8 +331,8 @@ def main(fd: int) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
-    # Run the module's own copy, not `__main__`'s: the classes this pickles (EngineInfo)
-    # must be named `engine.core_process.*` for the parent to load them.
+    # Run the module's own copy, not `__main__`'s: what this module's code pickles must
+    # name modules the parent can import.
     from engine.core_process import main as _main
 
     code = _main(int(sys.argv[1]))  # the socket pair's end, inherited

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import ConfigError
+from engine.config import ConfigError, SpeculativeConfig
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.model_runner import batch_inputs
 from engine.quant import packs_weights
 from engine.request import Request
-from engine.speculative import Proposer, SpeculativeConfig
+from engine.speculative import Proposer
 from engine.weights import Checkpoint, load_checkpoint, resolve_checkpoint
 
 

@@ -21,6 +21,7 @@ from engine.config import ConfigError, EngineConfig, Role, resolve_device, resol
 from engine.cpu_kernels import select_decode_kernel
 from engine.detokenizer import IncrementalDetokenizer
 from engine.draft_model import DraftModelProposer
+from engine.errors import InvalidRequest
 from engine.external_kv import ExternalKVCache, check_chunk_size
 from engine.hashing import model_fingerprint
 from engine.kv_cache import KVCache, num_blocks_for
@@ -31,7 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.quant import activation_dtype, packs_weights
 from engine.request import FinishReason, Request, RequestMetrics, RequestOutput, RequestStatus, ResumeState
 from engine.sampler import Sampler
-from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.speculative import NgramProposer, Proposer, accepted_prefix
 from engine.stats import EngineStats

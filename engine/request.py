@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 from engine.detokenizer import DetokenizerState
 from engine.hashing import BlockHash
 from engine.sampling_params import SamplingParams
-from engine.structured import GrammarMatcher
 
 if TYPE_CHECKING:
     import torch
+
+    from engine.structured import GrammarMatcher
 
 
 class EngineDead(RuntimeError):

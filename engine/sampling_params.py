@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.errors import InvalidRequest
+
 if TYPE_CHECKING:
     from engine.structured import StructuredOutput
 
@@ -13,18 +15,6 @@ if TYPE_CHECKING:
 # past these bounds would overflow inside a step and take the whole batch with them.
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses; `field` names the offending parameter."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-    def __reduce__(self):  # crosses a process boundary (the engine core's pipe) intact
-        return InvalidRequest, (self.field, self.message)
 
 
 @dataclass

@@ -26,52 +26,9 @@ for a request whose acceptance stays below `min_acceptance`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from engine.config import SpeculativeConfig
 from engine.request import Request
-
-
-class SpeculativeConfig(BaseModel):
-    """The `engine.speculative` section."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # "ngram": drafts from the request's own earlier tokens (prompt lookup). "draft": a
-    # smaller checkpoint with the target's vocabulary drafts greedily (`draft_model`).
-    # "none": off.
-    method: Literal["none", "ngram", "draft"] = "none"
-    # The draft checkpoint (method "draft"), named as `engine.model` is: the embedded
-    # model's id, a .gguf file or a Hugging Face directory. It runs in the engine's dtype.
-    draft_model: str | None = None
-    # The draft model's own KV pool, in tokens, shared by the requests that speculate;
-    # the least recently drafting request gives up its pages when it runs out.
-    draft_kv_tokens: int = Field(4096, ge=16)
-    # Most draft tokens per request per step.
-    num_tokens: int = Field(4, ge=1, le=32)
-    # The longest and shortest suffix searched for earlier in the sequence (longest first).
-    prompt_lookup_max: int = Field(4, ge=1)
-    prompt_lookup_min: int = Field(2, ge=1)
-    # Speculate only while at most this many requests decode: a larger batch already keeps
-    # the cores busy, and the extra rows would cost compute instead of saving steps.
-    max_batch_size: int = Field(4, ge=1)
-    # After `probe_tokens` drafted tokens, a request that accepted fewer than this
-    # share of them stops speculating.
-    min_acceptance: float = Field(0.3, ge=0.0, le=1.0)
-    probe_tokens: int = Field(16, ge=1)
-
-    @model_validator(mode="after")
-    def _consistent(self) -> SpeculativeConfig:
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
-        if (self.method == "draft") != (self.draft_model is not None):
-            raise ValueError("draft_model is required by method 'draft', and used by it only")
-        return self
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "none"
 
 
 def ngram_draft(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -1,6 +1,6 @@
 """Structured outputs: a request's JSON schema, "any JSON object", regular expression
 or list of choices, turned into a token-level grammar that masks every step's logits
-(llguidance: see `duet bench grammar` for why this library).
+(llguidance: see `python scripts/experiments/grammar.py` for why this library).
 
 What travels with a request (inside `SamplingParams`, so across the prefill → decode
 hop too) is the `StructuredOutput` spec, never a matcher: an engine that takes a
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 import llguidance
 
-from engine.sampling_params import InvalidRequest
+from engine.errors import InvalidRequest
 
 if TYPE_CHECKING:  # torch is the engine's: the gateway validates grammars without it
     import torch

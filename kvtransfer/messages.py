@@ -108,6 +108,9 @@ class PrefillRequest:
     # router sends this one to that replica, whose engine forks that choice's prompt KV
     # (`engine.request.Request.fork_of`) instead of prefilling or importing it again.
     fork_of: str | None = None
+    # Decode replicas this request must not go to: the gateway's own, once its engine is
+    # lost (the decode router honours it while another replica is there).
+    avoid_replicas: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
@@ -150,6 +153,7 @@ class DecodeRequest:
     # A sequence a draining decode replica moved (`SequenceMoved`): its output so far is
     # the tail of prompt_token_ids + first_token, and its sampler state goes on.
     resume: ResumeState | None = None
+    avoid_replicas: tuple[str, ...] = ()  # as in PrefillRequest
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
@@ -231,6 +235,7 @@ class RoutingStats:
     request_ids: tuple[str, ...] = ()
     model_fingerprint: str | None = None  # prefill: what prompts are hashed with
     kv_log: KVLogWindow | None = None  # prefill, `router.prefix_index: memory`: its KV events
+    serving: bool = True  # False while its engine core is being replaced: not chosen while another is
 
     @classmethod
     def of_engine(cls, stats: EngineStats, **extra: Any) -> RoutingStats:

@@ -82,6 +82,9 @@ WAITING = _g("duet_waiting_requests", "Sequences waiting for a slot")
 KV_BLOCKS_USED = _g("duet_kv_blocks_used", "KV blocks in use")
 KV_BLOCKS_TOTAL = _g("duet_kv_blocks_total", "KV blocks in the pool")
 PREEMPTIONS = _c("duet_preemptions_total", "Sequences preempted for lack of KV blocks")
+ENGINE_RESTARTS = _c("duet_engine_restarts_total", "Engine cores started in place of one that died")
+ENGINE_RESTART_FAILURES = _c("duet_engine_restart_failures_total", "Engine core starts after a loss that failed")
+ENGINE_SERVING = _g("duet_engine_serving", "1 while the replica's engine core serves, 0 while it is being replaced")
 PREFIX_HIT_TOKENS = _c("duet_prefix_cache_hit_tokens_total", "Prompt tokens found in the replica's own prefix cache")
 PREFIX_QUERIED_TOKENS = _c("duet_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the prefix cache")
 TIER_HIT_TOKENS = _c("duet_kv_tier_hit_tokens_total", "Prompt tokens loaded from an LMCache tier", ("tier",))
@@ -221,6 +224,10 @@ class EngineStatsReporter:
         self._count(SPEC_ACCEPTED_TOKENS, "spec_accepted_tokens", s)
         self._count(SPEC_VERIFY_STEPS, "spec_verify_steps", s)
         self._count(FORKS, "num_forks", s)
+        if "engine_serving" in s:  # an engine core that is restarted in place
+            r.set(ENGINE_SERVING, s["engine_serving"])
+            self._count(ENGINE_RESTARTS, "engine_restarts", s)
+            self._count(ENGINE_RESTART_FAILURES, "engine_restart_failures", s)
         if "leases_active" in s:  # a prefill replica's exporter
             r.set(LEASES_ACTIVE, s["leases_active"])
             self._count(LEASES_GRANTED, "leases_granted", s)
@@ -229,7 +236,9 @@ class EngineStatsReporter:
         value = stats.get(key)
         if value is None:
             return
-        self.recorder.inc(family, value - self._last.get(key, 0), **labels)
+        last = self._last.get(key, 0)
+        # Lower than last time: its source started again from zero (a new engine core).
+        self.recorder.inc(family, value - last if value >= last else value, **labels)
         self._last[key] = value
 
     def close(self) -> None:

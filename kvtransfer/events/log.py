@@ -18,6 +18,7 @@ side is routing/router/serve_routers.py):
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.hashing import BlockHash
@@ -77,6 +78,15 @@ class KVEventLog:
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    def leading_cached(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many of `block_hashes`, from the first, this replica holds."""
+        n = 0
+        for h in block_hashes:
+            if h not in self._cached:
+                break
+            n += 1
+        return n
 
     @property
     def end(self) -> int:

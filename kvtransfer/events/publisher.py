@@ -5,9 +5,10 @@ shared Redis index (one writer per replica)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from engine.kv_events import KVEvent
+from engine.hashing import BlockHash
+from engine.kv_events import AllBlocksCleared, KVEvent
 from kvtransfer.events.config import PrefixIndexConfig
 from kvtransfer.events.log import KVEventLog, KVLogWindow
 from kvtransfer.events.prefix_index import RedisPrefixIndex
@@ -50,10 +51,26 @@ class KVEventPublisher:
             if self.redis is not None:
                 self.redis.apply(self.replica_id, events)  # buffers and replays on outage
 
+    def engine_replaced(self, take_events: Callable[[], list[KVEvent]]) -> None:
+        """The replica's engine core was replaced by a new one, whose block pool is
+        empty: publish that every block is gone, and drain the new one from now on."""
+        with self._lock:
+            self._take_events = take_events
+            events: list[KVEvent] = [AllBlocksCleared()]
+            self.log.extend(events)
+            if self.redis is not None:
+                self.redis.apply(self.replica_id, events)
+
     def window(self) -> KVLogWindow | None:
         """What the routing stats carry: the log window, or None when routers read Redis."""
         self.drain()
         return self.log.window() if self.redis is None else None
+
+    def leading_cached(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of `block_hashes` this replica holds, as of every event so far."""
+        self.drain()
+        with self._lock:
+            return self.log.leading_cached(block_hashes)
 
     def stats(self) -> dict[str, int]:
         self.drain()

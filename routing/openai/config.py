@@ -15,23 +15,17 @@ class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, gt=0, lt=65536)
     num_cpus: float = Field(0.25, gt=0)
-    # Run the gateway inside each replica that decodes (aggregated, or decode in P/D
-    # mode), which is then the HTTP ingress and streams the tokens its engine makes,
-    # instead of a gateway replica of its own that relays every token from another
-    # replica over Ray. The ingress picks that replica by load, except behind HAProxy
-    # with the KV-aware router: there the ingress request router
-    # (routing/router/ingress.py) makes the KV-aware choice.
-    colocate: bool = False
-    # What carries HTTP from the client to the ingress replicas (the gateway's, or the
-    # colocated pool's). "proxy": Serve's HTTP proxy, which relays every
-    # streamed chunk from the replica over Ray. "haproxy": Serve's HAProxy ingress
-    # (Ray 2.60 direct ingress), which forwards each connection to the replica's own
-    # HTTP server. Cluster-wide: `duet serve` starts its Ray with it; a Ray cluster it
-    # joins must run with RAY_SERVE_ENABLE_HA_PROXY=1 (the Helm chart sets it).
-    ingress: Literal["proxy", "haproxy"] = "proxy"
-    # Only on the Ray nodes that offer `duet/<node_group>` (None: any node), e.g. the
-    # head, where the HTTP proxy and the Service are.
-    node_group: str | None = Field(None, pattern=r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
+    # What carries HTTP from the client to the ingress replicas (the replicas that
+    # decode, each with the gateway inside). "haproxy": Serve's HAProxy ingress (Ray
+    # 2.60 direct ingress), which forwards each connection to the replica's own HTTP
+    # server, and asks the ingress request router (routing/router/ingress.py) where each
+    # POST goes. "proxy": Serve's Python HTTP proxy, which relays every streamed chunk
+    # from the replica over Ray and picks the replica by load alone; it is kept for a
+    # Ray cluster that cannot turn HAProxy on, because that switch is cluster-wide
+    # (every Serve app of the cluster moves to it). Either way the Ray cluster decides:
+    # `duet serve` starts its Ray with HAProxy; a cluster it joins, or the Helm chart's,
+    # must run with RAY_SERVE_ENABLE_HA_PROXY=1 (the chart sets it).
+    ingress: Literal["proxy", "haproxy"] = "haproxy"
     # Requests inside the gateway at once; beyond this a new one gets a 429.
     max_pending_requests: int = Field(256, ge=1)
     # API keys: this file (one per line) and/or DUET_API_KEYS; none at all = an open gateway.
@@ -64,7 +58,7 @@ class GatewayConfig(BaseModel):
     # Header fields and their total bytes per request (431 beyond).
     max_headers: int = Field(100, ge=8)
     max_header_bytes: int = Field(32 << 10, ge=1024)
-    # A gateway replica being stopped finishes its streams for at most this long.
+    # An ingress replica being stopped finishes its streams for at most this long.
     drain_timeout_s: float = Field(60.0, ge=0)
     # A request still running after this long ends with a 504 (its KV and leases freed).
     request_timeout_s: float | None = Field(600.0, gt=0)

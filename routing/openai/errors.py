@@ -128,12 +128,13 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
 
 
 def _is_union_tag(part: Any) -> bool:
-    """Pydantic adds the union member (`str`, `list[TextContentPart]`, `function-after[...]`)
-    to an error's location; a client wants the field path only."""
+    """Pydantic adds the union member (`str`, `list[TextContentPart]`, `function-after[...]`,
+    a model's class name such as `NamedToolChoice`) to an error's location; a client
+    wants the field path only (our fields are snake_case)."""
     if not isinstance(part, str):
         return False
     tagged = part.startswith(("function-", "tagged-union", "lax-", "json-or-python"))
-    return part in _UNION_TAGS or "[" in part or tagged
+    return part in _UNION_TAGS or "[" in part or tagged or part[:1].isupper()
 
 
 def _param_path(loc: tuple | list) -> str | None:

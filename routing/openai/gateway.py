@@ -1,4 +1,6 @@
-"""The OpenAI-compatible gateway: FastAPI ingress of the Serve application.
+"""The OpenAI-compatible gateway: FastAPI ingress of the Serve application, inside
+each replica that decodes (the decode pool in P/D mode, the aggregated pool otherwise),
+which then streams the tokens its own engine makes.
 
 It validates, renders the chat template, tokenizes (off the pools' engine loops),
 checks the context length, and runs the request's pipeline (routing/openai/pipeline.py),
@@ -19,7 +21,7 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from autoscaling.config import SLOConfig
-from autoscaling.placement import DisaggregationConfig
+from autoscaling.placement import ClusterView, DisaggregationConfig
 from autoscaling.signals import GatewaySignals
 from engine.config import EngineConfig
 from engine.weights import served_model_name
@@ -60,12 +62,12 @@ from routing.openai.stream import (
     sse_error,
 )
 from routing.router import view as router_view
-from routing.router.ingress import ROUTE_HEADER
+from routing.router.ingress import ROUTE_HEADER, IngressRoute
 from telemetry import metrics, tracing
 from telemetry.config import TelemetryConfig
 from telemetry.tracing import Context
 
-if TYPE_CHECKING:  # imported where a colocated replica builds one: a gateway alone never loads torch
+if TYPE_CHECKING:  # imported where the replica builds its server: the gateway's modules never load torch
     from decode.aggregated import AggregatedServer
     from decode.server import DecodeServer
 
@@ -97,7 +99,7 @@ def _by_choice(call: Call, outs: list) -> list[list]:
 
 
 def _own_deployment():
-    """A handle to the deployment this replica belongs to (a colocated decode replica's
+    """A handle to the deployment this replica belongs to (a decode replica's
     way to the others); asked at first use, from inside the replica."""
     ctx = serve.get_replica_context()
     return serve.get_deployment_handle(ctx.deployment, ctx.app_name)
@@ -108,27 +110,24 @@ def _trace_parent(request: Request) -> Context | None:
     return tracing.context_from_headers(request.headers)
 
 
-@serve.deployment(name="gateway")
+@serve.deployment(name="decode")
 @serve.ingress(app)
 class Gateway:
-    """Owns the HTTP surface, the tokenizer and the handles to the pools."""
+    """The HTTP ingress inside each replica that decodes: owns the HTTP surface, the
+    tokenizer, and that replica's pool server (the engine that makes the tokens it
+    streams), plus, in P/D mode, the handle to the prefill pool."""
 
     def __init__(
-        self, gateway: dict, engine: dict, prefill=None, decode=None, aggregated=None, telemetry: dict | None = None,
+        self, gateway: dict, engine: dict, server: dict, prefill=None, telemetry: dict | None = None,
         slo: dict | None = None, disaggregation: dict | None = None,
-        transfer_timeout_s: float = TransferConfig().timeout_s, colocated: dict | None = None,
-        ingress_routed: bool = False,
+        transfer_timeout_s: float = TransferConfig().timeout_s, ingress_routed: bool = False,
     ):
         """`gateway`, `engine`, `telemetry`, `slo` and `disaggregation` are a dumped
         `GatewayConfig`, the pools' `EngineConfig`, a `TelemetryConfig`, an `SLOConfig`
-        and the router's `DisaggregationConfig`. Aggregated mode: `aggregated` is the
-        pool's handle. Disaggregated: `prefill` and `decode` are the pools, and
-        `transfer_timeout_s` bounds one KV pull (`transfer.timeout_s`).
-
-        `colocated` (`gateway.colocate`) holds the arguments of the pool server this
-        replica runs itself, so the replica that makes the tokens streams them: an
-        `AggregatedServer` (aggregated mode, no `aggregated` handle), or, beside the
-        `prefill` handle, a `DecodeServer` whose deployment this replica is.
+        and the router's `DisaggregationConfig`. `server` holds the arguments of the
+        pool server this replica runs: an `AggregatedServer` (aggregated mode), or, with
+        `prefill` (the prefill pool's handle), a `DecodeServer`; `transfer_timeout_s`
+        bounds one KV pull (`transfer.timeout_s`).
 
         `ingress_routed` (`ClusterConfig.routes_at_ingress`): HAProxy asks the ingress
         request router which replica takes each request, and sets the router's answer
@@ -138,28 +137,24 @@ class Gateway:
         self.engine_cfg = EngineConfig.model_validate(engine)
         self.mode = "disaggregated" if prefill is not None else "aggregated"
         role = "aggregated" if self.mode == "aggregated" else "decode"
-        # One tracer provider a process: a colocated replica's spans all say so.
-        tracing.setup_tracing(TelemetryConfig.model_validate(telemetry or {}),
-                              "gateway" if colocated is None else f"gateway+{role}")
-        # Built early: a replica whose engine cannot start fails before it takes traffic.
-        self.local: AggregatedServer | DecodeServer | None = None
+        # One tracer provider a process: the replica's spans all say both jobs.
+        tracing.setup_tracing(TelemetryConfig.model_validate(telemetry or {}), f"gateway+{role}")
+        # Built first: a replica whose engine cannot start fails before it takes traffic.
+        self.local: AggregatedServer | DecodeServer
+        self.aggregated: AggregatedServer | None = None
         self.local_decode: DecodeServer | None = None
-        self.aggregated: pipeline.AggregatedPool | None = None
         self.decode: pipeline.DecodePools | None = None
-        if colocated is not None and role == "aggregated":
-            from decode import aggregated as aggregated_server  # here: a gateway alone never loads torch
+        if role == "aggregated":
+            from decode import aggregated as aggregated_server  # here: the gateway's modules never load torch
 
-            self.local = self.aggregated = aggregated_server.AggregatedServer(**colocated)
-        elif aggregated is not None:
-            self.aggregated = pipeline.RemotePool(aggregated)
-        elif colocated is not None:
+            self.local = self.aggregated = aggregated_server.AggregatedServer(**server)
+        else:
             from decode import server as decode_server
 
-            self.local = self.local_decode = decode_server.DecodeServer(**colocated)
+            self.local = self.local_decode = decode_server.DecodeServer(**server)
             # What this replica's lost or draining engine leaves goes to the others.
-            self.decode = pipeline.DecodePools(self.local_decode, pipeline.RemotePool(_own_deployment))
-        else:
-            self.decode = pipeline.DecodePools.one(pipeline.RemotePool(decode))
+            self.decode = pipeline.DecodePools(self.local_decode, pipeline.RemotePool(_own_deployment),
+                                               self.local_decode.lost_replica)
         self.model_name = served_model_name(self.engine_cfg)
         self.max_model_len = self.engine_cfg.max_model_len
         self.prompts = Prompts(self.engine_cfg, self.cfg)
@@ -189,15 +184,15 @@ class Gateway:
             log.warning("gateway: no API keys configured (DUET_API_KEYS, gateway.api_keys_file): open to anyone")
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """End-to-end latencies, goodput and arrivals for the autoscaling policy
-        (read by Serve every `metrics_interval_s`)."""
+        """For the autoscaling policy (read by Serve every `metrics_interval_s`): the
+        pool replica's own signals and the end-to-end latencies, goodput and arrivals
+        of the requests this replica took as the ingress (their names do not overlap)."""
         self.signals.in_flight = self.admission.in_flight
-        return self.signals.report()
+        return {**self.local.record_autoscaling_stats(), **self.signals.report()}
 
     def record_routing_stats(self) -> dict:
-        """A colocated replica reports as the pool replica it also is (its load and KV
-        events, for the ingress request router's KV-aware choice); a gateway alone, nothing."""
-        return self.local.record_routing_stats() if self.local is not None else {}
+        """The pool replica's load and KV events, for the routers' KV-aware choice."""
+        return self.local.record_routing_stats()
 
     # ------------------------------------------------------------ probes
     @app.get("/health")
@@ -227,43 +222,38 @@ class Gateway:
         return PlainTextResponse(generate_latest(self.gateway_metrics.registry).decode())
 
     async def _pool_stats(self) -> dict[str, dict]:
-        if self.aggregated is not None:
-            return {"aggregated": await self.aggregated.stats()}
-        assert self.decode is not None
-        return {"prefill": await self.prefill.stats.remote(), "decode": await self.decode.first.stats()}
+        if self.mode == "aggregated":
+            return {"aggregated": await self.local.stats()}
+        return {"prefill": await self.prefill.stats.remote(), "decode": await self.local.stats()}
 
     async def stats(self) -> dict:
-        """A colocated replica answers as the pool replica it also is (its deployment
-        carries the pool's name), for operators and the tests."""
-        if self.local is None:
-            raise RuntimeError("stats(): only a colocated gateway has a pool of its own; ask the pools")
+        """This replica's pool server's stats (its deployment carries the pool's name),
+        for operators and the tests."""
         return await self.local.stats()
 
     async def generate(self, req: DecodeRequest | PrefillRequest):
-        """A colocated decode replica's `generate` (decode/server.py), for the other
-        replicas of its deployment: a pass migrated off them, or a sequence one hands
-        on as it drains."""
+        """A decode replica's `generate` (decode/server.py), for the other replicas of
+        its deployment: a pass migrated off them, or a sequence one hands on as it
+        drains."""
         if self.local_decode is None:
-            raise RuntimeError("generate(): only a gateway colocated with a decode engine decodes")
+            raise RuntimeError("generate(): only a decode replica takes passes from the others")
         async with contextlib.aclosing(self.local_decode.generate(req)) as items:
             async for item in items:
                 yield item
 
     async def check_health(self) -> None:
-        """Serve's health check: a colocated engine that died fails it, and Serve
-        replaces this replica (the gateway alone has nothing to check)."""
-        if self.local is not None:
-            await self.local.check_health()
+        """Serve's health check: an engine that died fails it, and Serve replaces this replica."""
+        await self.local.check_health()
 
     def __del__(self):
-        """Serve calls this once the replica's calls have ended: a colocated engine
-        stops with it (its child process exits)."""
+        """Serve calls this once the replica's calls have ended: the engine stops with it
+        (its child process exits)."""
         local = getattr(self, "local", None)
         if local is not None:
             try:
                 local.shutdown()
             except Exception:
-                log.exception("gateway: stopping the colocated engine failed")
+                log.exception("gateway: stopping the replica's engine failed")
 
     @app.get("/v1/models")
     async def models(self, request: Request):
@@ -344,18 +334,16 @@ class Gateway:
         if model and model not in (self.model_name, self.engine_cfg.model):
             raise model_not_found(model)
 
-    def _ingress_route(self, request: Request) -> tuple[str, int, float] | None:
-        """(reason, prefix blocks, cost) of the ingress request router's choice of this replica,
-        from the header HAProxy set (routing/router/ingress.py); None without one, or
-        where no ingress request router stands in front: without one HAProxy passes a
-        client's copy of the header through."""
-        if not self.ingress_routed:
-            return None
-        reason, blocks, cost = (request.headers.get(ROUTE_HEADER, "").split(" ") + ["", ""])[:3]
-        try:
-            return (reason, int(blocks), float(cost)) if reason else None
-        except ValueError:
-            return None
+    def _ingress_route(self, request: Request) -> IngressRoute | None:
+        """Why the ingress request router chose this replica, from the header HAProxy set
+        (routing/router/ingress.py); None without one, or where no ingress request
+        router stands in front: without one HAProxy passes a client's copy through."""
+        return IngressRoute.parse(request.headers.get(ROUTE_HEADER)) if self.ingress_routed else None
+
+    async def _cluster_view(self, req: PrefillRequest) -> ClusterView | None:
+        """`router.disaggregation: auto`'s view: the prefill router's, and this replica's
+        own (a first pass prefilled locally runs here)."""
+        return await router_view.cluster_view(req, local=self.local_decode)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.convert_ids_to_tokens([token_id])[0]
@@ -366,7 +354,7 @@ class Gateway:
                 return pipeline.aggregated(self.aggregated, req)
             assert self.decode is not None
             return pipeline.disaggregated(self.prefill, self.decode, req, record.timing, self.resilience,
-                                          self.placement, record.placed, router_view.cluster_view)
+                                          self.placement, record.placed, self._cluster_view)
 
         reqs = [call.to_pool(record.trace, i) for i in range(call.n)]
         if call.n == 1:

@@ -5,11 +5,31 @@ refreshed from the replicas' stats at scrape time."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry, Gauge
 
+from engine.stats import EngineStats
 from routing.router import view
 from telemetry import metrics
 from telemetry.metrics import Recorder
+
+# The replica stats `duet_pool_stat` carries (its `stat` label), by pool: the engine's
+# typed snapshot (every number of `EngineStats`, so a renamed field is renamed here),
+# and what the replica adds around it. Only these are gauged: a stat a replica stops
+# reporting fails tests/integration/test_cluster_api.py instead of leaving dashboards.
+ENGINE_STATS = tuple(f.name for f in dataclasses.fields(EngineStats) if f.type in ("int", "float", int, float))
+REPLICA_STATS = ("engine_restarts", "engine_restart_failures", "engine_serving", "kv_events_cached_blocks",
+                 "kv_events_seq")
+POOL_STATS: dict[str, tuple[str, ...]] = {
+    "prefill": (*ENGINE_STATS, *REPLICA_STATS, "leases_active", "leases_granted", "leases_released",
+                "leases_rejected", "leases_expired"),
+    "decode": (*ENGINE_STATS, "engine_restarts", "engine_restart_failures", "engine_serving", "transfer_count",
+               "transfer_failures", "transfer_bytes", "transfer_seconds", "transfer_blocks", "imports",
+               "import_rejects", "import_failures", "import_recomputes", "imports_waiting", "import_blocks_held",
+               "import_blocks_reclaimed", "leases_active", "moves_out"),
+    "aggregated": (*ENGINE_STATS, *REPLICA_STATS),
+}
 
 # Declared up front so `/metrics` lists them before the first request.
 GATEWAY_FAMILIES = (
@@ -52,7 +72,10 @@ class GatewayMetrics:
                 self.router_in_flight.labels(pool, replica).set(n)
 
     def observe_pool(self, pool: str, stats: dict) -> None:
+        """Gauge the pool's `POOL_STATS` from one replica's stats (a decode pool without
+        KV events has no `kv_events_*`: those it does not report are skipped)."""
         replica = str(stats.get("replica_id", "?"))
-        for k, v in stats.items():
+        for k in POOL_STATS[pool]:
+            v = stats.get(k)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 self.pool.labels(pool, replica, k).set(v)

@@ -2,10 +2,11 @@
 
 Disaggregated: a loop of passes (`disaggregated`); one pass (`_Pass`) is prefill →
 (first token to the client at once) → decode, which imports the KV and streams the
-rest, and says how it ended (`Outcome`): done, migrate or prefill again. Each pass is
-placed first (`router.disaggregation`, autoscaling/placement.py): a pass whose
-prompt is cheaper to compute where it decodes is a `_LocalPass`, the whole request on
-one decode replica. Aggregated: one pool does both.
+rest; a pass that did not finish the request ends its stream with an `Ended` that
+says what comes next: migrate, or prefill again. Each pass is placed first
+(`router.disaggregation`, autoscaling/placement.py): a pass whose prompt is cheaper
+to compute where it decodes is a `_LocalPass`, the whole request on one decode
+replica. Aggregated: one pool does both.
 
 Whatever ends the stream early (client gone, replica dead) is handled here: in-flight
 Serve calls are cancelled, and a lease nobody will pull is rejected (`LeaseGuard`) so
@@ -13,7 +14,8 @@ prefill frees it now rather than at TTL. Nothing here reads gateway state: it ru
 wherever the request's stream is served.
 
 Replicas that die are survived here. A prefill replica that dies before answering:
-the call is tried on another one (`gateway.prefill_retries`). A decode replica that
+the call is tried on another one (`gateway.prefill_retries`); when none answers, the
+pass prefills where it decodes. A decode replica that
 dies mid-stream: the request migrates (`gateway.max_migrations`): prefill computes
 prompt + the tokens already streamed (its prefix cache and the KV tier hold most of
 it), samples the next token, and another decode replica continues; the client sees
@@ -75,6 +77,11 @@ class UpstreamError(RuntimeError):
         self.capacity = capacity
 
 
+class PrefillUnavailable(UpstreamError):
+    """Every prefill call of a pass found its replica (or its engine) gone: the pass
+    prefills where it decodes instead (`_Pass.run`)."""
+
+
 # A lease the gateway gives up is freed by its TTL anyway: never wait long to say so.
 _REJECT_TIMEOUT_S = 1.0
 # Errors that mean the replica (or its engine) is gone, not that the request is bad.
@@ -128,6 +135,18 @@ class Outcome(StrEnum):
     REPREFILL = "reprefill"  # decode could not import the KV (its source is gone): prefill again
 
 
+@dataclass(frozen=True)
+class Ended:
+    """The last item of a pass's stream that did not finish the request: how it ended
+    (`MIGRATE` or `REPREFILL`). A stream without one ended `DONE`."""
+
+    outcome: Outcome
+
+
+# What a pass streams: output batches, then at most one `Ended`.
+PassItem = list[RequestOutput] | Ended
+
+
 async def disaggregated(
     prefill_handle, decode: DecodePools, req: PrefillRequest, timing: Timing, resilience: Resilience = Resilience(),
     placement: DisaggregationConfig = _ALWAYS, placed: Callable[[Placement], None] | None = None,
@@ -148,12 +167,14 @@ async def disaggregated(
             return
         # Each pass is a new request for the pools (a replica may still know the last id).
         # A migrated pass computes its own context: it forks nothing.
+        lost = decode.first_lost()
         sub = dataclasses.replace(
             req, request_id=req.request_id if hop == 0 else f"{req.request_id}.m{hop}",
             prompt_token_ids=req.prompt_token_ids + tuple(generated), sampling=remaining,
             fork_of=req.fork_of if hop == 0 else None,
+            avoid_replicas=req.avoid_replicas + ((lost,) if lost is not None else ()),
         )
-        pools = decode if hop == 0 else DecodePools.one(decode.elsewhere)
+        pools = decode if hop == 0 and lost is None else DecodePools.one(decode.elsewhere)
         one: _Pass | _LocalPass
         if sub.fork_of is not None:  # to the decode replica its sibling runs on, to fork its KV there
             one = _LocalPass(pools, sub, timing, resilience)
@@ -165,16 +186,20 @@ async def disaggregated(
             if decision.where is Where.LOCAL:
                 one = _LocalPass(pools, sub, timing, resilience)
             else:
-                one = _Pass(prefill_handle, pools, sub, timing, resilience)
+                one = _Pass(prefill_handle, pools, sub, timing, resilience, placed)
         base = len(generated)
+        outcome = Outcome.DONE
         # Closed with us (aclosing), so a client that leaves cancels the decode call and
         # rejects the lease now, not when the abandoned generator is collected.
-        async with contextlib.aclosing(one.run()) as batches:
-            async for outs in batches:
-                outs = [view.adapt(o, base) for o in outs]
+        async with contextlib.aclosing(one.run()) as items:
+            async for item in items:
+                if isinstance(item, Ended):
+                    outcome = item.outcome
+                    continue
+                outs = [view.adapt(o, base) for o in item]
                 generated.extend(t for o in outs for t in o.new_token_ids)
                 yield outs
-        if one.outcome is Outcome.DONE:
+        if outcome is Outcome.DONE:
             return
 
 
@@ -194,9 +219,9 @@ async def _view(view: Callable[[PrefillRequest], Awaitable[ClusterView | None]] 
 
 class DecodePool(Protocol):
     """What the pipeline uses of a decode pool: a request's stream of output batches
-    (and a `SequenceMoved` last when the replica hands it on), closed to cancel it. A
-    handle to the decode deployment (`RemotePool`), or, when the gateway runs inside
-    a decode replica (`gateway.colocate`), that replica's own server (decode/server.py)."""
+    (and a `SequenceMoved` last when the replica hands it on), closed to cancel it. The
+    decode server of the replica the gateway runs in (decode/server.py), or a handle
+    to the decode deployment (`RemotePool`): the other replicas."""
 
     def generate(self, req: DecodeRequest | PrefillRequest,
                  ) -> AsyncGenerator[list[RequestOutput] | SequenceMoved, None]: ...
@@ -206,9 +231,9 @@ class DecodePool(Protocol):
 
 class RemotePool:
     """A pool's deployment behind its handle (and its request router): what
-    `DecodePool` and `AggregatedPool` ask, as Serve calls. `handle` may be a callable
-    that returns it, asked on first use: a colocated replica's handle to its own
-    deployment cannot be bound when the application is built."""
+    `DecodePool` asks, as Serve calls. `handle` may be a callable that returns it,
+    asked on first use: a decode replica's handle to its own deployment cannot be
+    bound when the application is built."""
 
     def __init__(self, handle):
         self._handle = handle
@@ -235,63 +260,80 @@ class RemotePool:
 
 @dataclass(frozen=True)
 class DecodePools:
-    """Where a request decodes: `first`, the pool its first pass goes to (this replica's
-    own when the gateway is colocated); `elsewhere`, the pool for what a lost or
-    draining replica leaves (a migrated pass, a moved sequence): the deployment."""
+    """Where a request decodes: `first`, the pool its first pass goes to (the decode
+    server of the replica the gateway runs in); `elsewhere`, the pool for what a lost
+    or draining replica leaves (a migrated pass, a moved sequence): the deployment."""
 
     first: DecodePool
     elsewhere: DecodePool
+    # `first`'s replica id while its engine is lost (else None): a pass then starts
+    # elsewhere, and the decode router keeps it away from that replica.
+    first_lost: Callable[[], str | None] = lambda: None
 
     @classmethod
     def one(cls, pool: DecodePool) -> DecodePools:
-        """Every pass to the same pool (a gateway of its own: the deployment)."""
+        """Every pass to the same pool (a migrated pass: the deployment)."""
         return cls(pool, pool)
 
 
 class _Decoding:
     """A pass's decode calls: the first, and one more each time a draining decode
     replica hands the sequence on (`SequenceMoved`: its KV leased there, pulled by
-    the next replica, no prefill). `outcome` says how the last one ended."""
+    the next replica, no prefill). Its stream ends with an `Ended` when the last call
+    did not finish the request."""
 
     def __init__(self, pools: DecodePools, req: PrefillRequest, timing: Timing, resilience: Resilience):
         self.pools, self.req, self.timing, self.resilience = pools, req, timing, resilience
-        self.outcome = Outcome.DONE
 
     async def follow(self, call: DecodeRequest, first: list[RequestOutput] | None = None,
-                     pool: DecodePool | None = None) -> AsyncGenerator[list[RequestOutput], None]:
+                     pool: DecodePool | None = None) -> AsyncGenerator[PassItem, None]:
         """`call` decoded to its end on `pool` (the first pool by default), following
         each move to the pool elsewhere; `first` (the prefill's first token) is yielded
         under the first call's lease."""
         pool = pool or self.pools.first
         while True:
-            moved: list[SequenceMoved] = []
-            async with contextlib.aclosing(self._one(pool, call, first, moved)) as batches:
-                async for outs in batches:
-                    yield outs
-            if not moved or self.outcome is not Outcome.DONE:
+            moved: SequenceMoved | None = None
+            async with contextlib.aclosing(self._one(pool, call, first)) as items:
+                async for item in items:
+                    if isinstance(item, SequenceMoved):
+                        moved = item
+                    else:
+                        yield item
+            if moved is None:
                 return
-            first, call, pool = None, moved[0].request, self.pools.elsewhere
+            first, call, pool = None, moved.request, self.pools.elsewhere
             self.timing.moves += 1
             log.info("request %s: decode replica %s drained; its sequence moved with its KV",
-                     self.req.request_id, moved[0].from_replica)
+                     self.req.request_id, moved.from_replica)
 
     async def _one(self, pool: DecodePool, call: DecodeRequest, first: list[RequestOutput] | None,
-                   moved: list[SequenceMoved]) -> AsyncGenerator[list[RequestOutput], None]:
-        """One decode call to `pool` under a `LeaseGuard` on its handle; a
-        `SequenceMoved` it ends with goes into `moved`. Closing the call's stream (on
+                   ) -> AsyncGenerator[PassItem | SequenceMoved, None]:
+        """One decode call to `pool` under a `LeaseGuard` on its handle: its batches,
+        then a `SequenceMoved` if the replica handed the sequence on, or an `Ended` if
+        the call failed in a way the request survives. Closing the call's stream (on
         every way out) cancels it."""
         handle = call.kv_handle
         async with LeaseGuard(handle, _REJECT_TIMEOUT_S) as lease:
-            if first:
-                yield first
             finished = False  # the request's final output came through
+            moved: SequenceMoved | None = None
             try:
                 async with contextlib.aclosing(pool.generate(call)) as batches:
                     grace = self.resilience.decode_start_grace_s
-                    item = await _first_batch(batches, max(0.0, handle.lease_expiry - time.time()) + grace)
+                    # The decode call starts now (its KV pull with it), while the first
+                    # token goes to the client, not when the client asks for the next.
+                    started = asyncio.ensure_future(
+                        _first_batch(batches, max(0.0, handle.lease_expiry - time.time()) + grace))
+                    try:
+                        if first:
+                            yield first
+                        item = await started
+                    finally:
+                        if not started.done():  # the client left with the first token
+                            started.cancel()
+                            await asyncio.gather(started, return_exceptions=True)
                     while True:
                         if isinstance(item, SequenceMoved):
-                            moved.append(item)
+                            moved = item
                         else:
                             finished = item[-1].finished
                             yield item
@@ -301,52 +343,62 @@ class _Decoding:
             except UpstreamError:  # no replica started it: the lease is rejected on the way out
                 raise
             except Exception as e:
-                if finished or moved:  # lost after the end, or after handing the sequence on
+                if finished or moved is not None:  # lost after the end, or after handing the sequence on
                     lease.settled()
+                else:
+                    yield Ended(self._failed(e, lease, resumed=call.resume is not None))
                     return
-                self._failed(e, lease, resumed=call.resume is not None)
+        if moved is not None:
+            yield moved
 
-    def _failed(self, e: Exception, lease: LeaseGuard, resumed: bool) -> None:
-        """Decide what a failed decode call means: migrate (its replica was lost, or a
-        moved sequence could not be imported), prefill again (the KV's source is gone),
-        or fail the request (raise `UpstreamError`)."""
+    def _failed(self, e: Exception, lease: LeaseGuard, resumed: bool) -> Outcome:
+        """What a failed decode call means: migrate (its replica was lost, or a moved
+        sequence could not be imported), prefill again (the KV's source is gone), or
+        fail the request (raise `UpstreamError`)."""
         req, timing, resilience = self.req, self.timing, self.resilience
         if isinstance(e, _REPLICA_GONE):
             lease.reject_as(RejectReason.DECODE_LOST)
             _count_migration(req, e, timing, resilience)
-            self.outcome = Outcome.MIGRATE
-            return
+            return Outcome.MIGRATE
         if isinstance(e, ImportFailed):
             lease.settled()  # decode rejected it (and its replica may be gone)
             if resumed:  # the draining replica's KV did not arrive: recompute it elsewhere
                 _count_migration(req, e, timing, resilience)
-                self.outcome = Outcome.MIGRATE
-                return
+                return Outcome.MIGRATE
             if e.reason in _SOURCE_LOST and timing.prefill_retries < resilience.prefill_retries:
                 timing.prefill_retries += 1
-                self.outcome = Outcome.REPREFILL
                 log.warning("request %s: KV import failed (%s); prefilling again", req.request_id, _short(e))
-                return
+                return Outcome.REPREFILL
         raise UpstreamError(f"decode failed: {_short(e)}", capacity=_is_capacity(e)) from e
 
 
 class _Pass:
     """One prefill → decode pass of a request: prefill (retried on another replica if
     its replica is lost), the first token at once, then decode (`_Decoding`: under a
-    `LeaseGuard`, following moves). `outcome` says how it ended; a failure it cannot
-    recover from raises `UpstreamError`."""
+    `LeaseGuard`, following moves). With no prefill replica to answer (each try found
+    its replica or its engine gone), the pass prefills where it decodes (`_LocalPass`),
+    and `placed` is told so (`prefill_unavailable`). Its stream ends with an `Ended`
+    when it did not finish the request; a failure it cannot recover from raises
+    `UpstreamError`."""
 
     def __init__(self, prefill_handle, pools: DecodePools, req: PrefillRequest, timing: Timing,
-                 resilience: Resilience):
+                 resilience: Resilience, placed: Callable[[Placement], None] | None = None):
         self.prefill, self.req, self.timing, self.resilience = prefill_handle, req, timing, resilience
+        self.pools, self.placed = pools, placed
         self.decoding = _Decoding(pools, req, timing, resilience)
 
-    @property
-    def outcome(self) -> Outcome:
-        return self.decoding.outcome
-
-    async def run(self) -> AsyncGenerator[list[RequestOutput], None]:
-        result = await _prefill(self.prefill, self.req, self.timing, self.resilience)
+    async def run(self) -> AsyncGenerator[PassItem, None]:
+        try:
+            result = await _prefill(self.prefill, self.req, self.timing, self.resilience)
+        except PrefillUnavailable as e:
+            log.warning("request %s: %s; prefilling where it decodes", self.req.request_id, e)
+            if self.placed is not None:
+                self.placed(Placement(Where.LOCAL, "prefill_unavailable"))
+            local = _LocalPass(self.pools, self.req, self.timing, self.resilience)
+            async with contextlib.aclosing(local.run()) as items:
+                async for item in items:
+                    yield item
+            return
         handle = result.kv_handle
         if handle is None:  # finished at prefill: no lease was granted
             yield [_first_output(result)]
@@ -354,28 +406,23 @@ class _Pass:
         req = self.req
         assert result.first_token is not None  # a lease is granted with the first token
         call = DecodeRequest(req.request_id, req.prompt_token_ids, result.first_token, req.sampling, handle,
-                             req.trace, req.cache_salt)
-        async with contextlib.aclosing(self.decoding.follow(call, [_first_output(result)])) as batches:
-            async for outs in batches:
-                yield outs
+                             req.trace, req.cache_salt, avoid_replicas=req.avoid_replicas)
+        async with contextlib.aclosing(self.decoding.follow(call, [_first_output(result)])) as items:
+            async for item in items:
+                yield item
 
 
 class _LocalPass:
     """One pass of a request prefilled where it decodes: the whole request on one decode
     replica (a `PrefillRequest` to its `generate`), no lease and no transfer. A replica
-    lost mid-stream migrates the request as `_Pass` does, and one that drains hands it
-    on (`_Decoding`); `outcome` says how it ended."""
+    lost mid-stream migrates the request as `_Pass` does (its stream ends with an
+    `Ended`), and one that drains hands it on (`_Decoding`)."""
 
     def __init__(self, pools: DecodePools, req: PrefillRequest, timing: Timing, resilience: Resilience):
         self.pools, self.req, self.timing, self.resilience = pools, req, timing, resilience
         self.decoding = _Decoding(pools, req, timing, resilience)
-        self._outcome = Outcome.DONE
 
-    @property
-    def outcome(self) -> Outcome:
-        return self._outcome if self._outcome is not Outcome.DONE else self.decoding.outcome
-
-    async def run(self) -> AsyncGenerator[list[RequestOutput], None]:
+    async def run(self) -> AsyncGenerator[PassItem, None]:
         finished = False
         moved: SequenceMoved | None = None
         try:
@@ -393,15 +440,15 @@ class _LocalPass:
                 if not isinstance(e, _REPLICA_GONE):
                     raise UpstreamError(f"decode failed: {_short(e)}") from e
                 _count_migration(self.req, e, self.timing, self.resilience)
-                self._outcome = Outcome.MIGRATE
+                yield Ended(Outcome.MIGRATE)
                 return
         if moved is None:
             return
         self.timing.moves += 1
         # It was handed on by a draining replica: it continues on another one.
-        async with contextlib.aclosing(self.decoding.follow(moved.request, pool=self.pools.elsewhere)) as batches:
-            async for outs in batches:
-                yield outs
+        async with contextlib.aclosing(self.decoding.follow(moved.request, pool=self.pools.elsewhere)) as moves:
+            async for after_move in moves:
+                yield after_move
 
 
 def _count_migration(req: PrefillRequest, e: Exception, timing: Timing, resilience: Resilience) -> None:
@@ -440,7 +487,7 @@ async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resi
             raise
         except _REPLICA_GONE as e:
             if attempt >= resilience.prefill_retries:
-                raise UpstreamError(f"prefill failed: {_short(e)}") from e
+                raise PrefillUnavailable(f"prefill failed: {_short(e)}") from e
             timing.prefill_retries += 1
             log.warning("request %s: prefill replica lost (%s); trying another", req.request_id, _short(e))
         except Exception as e:
@@ -617,9 +664,8 @@ def _remaining(sp: SamplingParams, generated: list[int]) -> SamplingParams | Non
 
 
 class AggregatedPool(Protocol):
-    """What the gateway uses of the aggregated pool: a handle to its deployment
-    (`RemotePool`), or, when the gateway runs inside an aggregated replica
-    (`gateway.colocate`), that replica's own server (decode/aggregated.py)."""
+    """What the gateway uses of the aggregated pool: the aggregated server of the
+    replica it runs in (decode/aggregated.py)."""
 
     def generate(self, req: PrefillRequest) -> AsyncGenerator[list[RequestOutput], None]: ...
 

@@ -1,14 +1,18 @@
 """OpenAI API request and response models (pydantic v2), and the mapping of a request
 onto the engine's SamplingParams.
 
-Requests ignore fields they do not know (clients send many, e.g. `user`, `metadata`).
-What duet cannot honour (batched prompts, `echo`, `suffix`, grammars, the
-deprecated `functions`: `UNHONOURED`) is a 400 naming the field, never silently
-dropped. `best_of` is honoured on completions (`CompletionRequest.candidates`); on
-chat, where OpenAI has no such field, more than one candidate is refused. Structured
-outputs (`response_format`, and vLLM's `guided_json`, `guided_regex`, `guided_choice`)
-are honoured (engine/structured.py), and so are
-`tools` and `tool_choice` (routing/openai/tools.py).
+Every object of a request, at every depth (messages and their content parts, tools and
+their functions, `response_format`, `stream_options`, `tool_choice`), knows its fields:
+a field OpenAI's SDK defines is honoured, or accepted where it is an echo of our own
+output that changes nothing (an assistant message's `refusal`, `annotations`, `audio`
+and `function_call` when null, as clients send a response back in the conversation);
+any other field is a 400 naming its path (`messages[2].bogus`). What duet cannot
+honour (batched prompts, `echo`, `suffix`, grammars, the deprecated `functions`:
+`UNHONOURED`) is a 400 naming the field, never silently dropped. `best_of` is
+honoured on completions (`CompletionRequest.candidates`); on chat, where OpenAI has no
+such field, more than one candidate is refused. Structured outputs (`response_format`,
+and vLLM's `guided_json`, `guided_regex`, `guided_choice`) are honoured
+(engine/structured.py), and so are `tools` and `tool_choice` (routing/openai/tools.py).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from pydantic import (
     model_serializer,
 )
 
-from engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, InvalidRequest, SamplingParams
+from engine.errors import InvalidRequest
+from engine.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN, SamplingParams
 from engine.structured import StructuredOutput
 from routing.openai.errors import context_length_exceeded, from_validation_error, invalid_request
 from routing.openai.tools import (
@@ -83,7 +88,8 @@ def _harmless(field: str, value: Any) -> bool:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # A field nobody declared is refused, whatever its depth: never dropped without a word.
+    model_config = ConfigDict(extra="forbid")
 
 
 class _Response(BaseModel):
@@ -95,11 +101,22 @@ class _Response(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # OpenAI pads stream chunks with random characters against length side channels
+    # unless this is false; duet does not: asking for it is refused.
+    include_obfuscation: bool | None = None
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("include_obfuscation is not supported (refused rather than ignored)")
+        return v
 
 
 class TextContentPart(_Request):
     type: str
     text: str
+    prompt_cache_breakpoint: Any = None  # a caching hint: every prefix is cached here anyway
 
     @field_validator("type")
     @classmethod
@@ -115,6 +132,20 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    # An assistant's own response sent back in the conversation carries these, null
+    # (duet never fills them): accepted when they say nothing.
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
+
+    @field_validator("refusal", "annotations", "audio", "function_call")
+    @classmethod
+    def _echo_only(cls, v: Any, info: ValidationInfo) -> Any:
+        if v not in (None, []):
+            raise ValueError(f"a message's {info.field_name} is accepted only as duet's own responses carry it "
+                             "(null): refused rather than ignored")
+        return v
 
     @property
     def text(self) -> str:
@@ -152,15 +183,24 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
-    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema.
+    `{"type": "json_object", "schema": S}` (an extension several hosted APIs honour, and
+    what instructor's JSON_SCHEMA mode sends) is JSON matching S."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
     def structured(self) -> StructuredOutput | None:
+        if self.schema_ is not None and self.type != "json_object":
+            raise invalid_request(f"response_format.schema goes with type 'json_object', not {self.type!r} "
+                                  "(a json_schema format's schema is response_format.json_schema.schema)",
+                                  param="response_format.schema")
         if self.type == "text":
             return None
         if self.type == "json_object":
+            if self.schema_ is not None:
+                return StructuredOutput.json_schema(self.schema_, param="response_format.schema")
             return StructuredOutput("json_object")
         if self.json_schema is None:
             raise invalid_request("response_format.json_schema is required when type is 'json_schema'",

@@ -14,7 +14,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoscaling.placement import Placement
 from autoscaling.signals import GatewaySignals
@@ -26,6 +26,9 @@ from routing.openai.errors import overloaded
 from routing.openai.pipeline import Timing
 from telemetry import metrics, tracing
 from telemetry.tracing import Context, Span, SpanKind
+
+if TYPE_CHECKING:
+    from routing.router.ingress import IngressRoute
 
 # gen_ai.operation.name of each endpoint (OpenTelemetry GenAI semantic conventions).
 OPERATION = {"chat": "chat", "completions": "text_completion"}
@@ -47,7 +50,7 @@ class Call:
     cache_salt: str | None = None  # its KV namespace (routing/openai/access.py `cache_salt`)
     # Why the ingress request router sent it to this replica: (reason, prefix blocks held,
     # its cost there: sequences it counted running plus the KV charge, routing/router/policy.py).
-    route: tuple[str, int, float] | None = None
+    route: IngressRoute | None = None  # why the ingress request router chose this replica
 
     @property
     def cost(self) -> int:
@@ -206,6 +209,7 @@ def _request_attributes(call: Call) -> dict[str, Any]:
         "gen_ai.request.top_p": sp.top_p,
         "gen_ai.request.seed": sp.seed,
         "duet.request_id": call.request_id,
-        **({"duet.route.by": "ingress", "duet.route.reason": call.route[0], "duet.route.overlap_blocks": call.route[1],
-            "duet.route.cost": call.route[2]} if call.route is not None else {}),
+        **({"duet.route.by": "ingress", "duet.route.reason": call.route.reason,
+            "duet.route.overlap_blocks": call.route.cached_blocks, "duet.route.cost": call.route.cost}
+           if call.route is not None else {}),
     }

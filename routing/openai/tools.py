@@ -42,7 +42,7 @@ from engine.structured import StructuredOutput
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
@@ -51,20 +51,20 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"]
     function: FunctionName
@@ -74,6 +74,8 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
@@ -83,7 +85,7 @@ def _call_id() -> str:
 
 
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     id: str = Field(default_factory=_call_id)
     type: Literal["function"] = "function"

@@ -1,8 +1,8 @@
-"""The ingress request router: which colocated replica HAProxy hands a request to.
+"""The ingress request router: which ingress replica HAProxy hands a request to.
 
-With `gateway.colocate`, each replica that decodes (aggregated, or decode in P/D mode)
-runs the gateway and is the HTTP ingress itself, so the replica that makes a request's
-tokens streams them. With `gateway.ingress: haproxy` (Serve's HAProxy ingress), HAProxy
+Each replica that decodes (aggregated, or decode in P/D mode) runs the gateway and is
+the HTTP ingress itself, so the replica that makes a request's tokens streams them.
+With `gateway.ingress: haproxy` (Serve's HAProxy ingress, the default), HAProxy
 forwards each connection straight to one such replica's own HTTP server. Before it
 forwards a POST, it asks this deployment where to send it: `POST /internal/route`,
 carrying the request's body (`RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1`, which
@@ -39,6 +39,7 @@ The hook is Ray 2.60's private `Application._with_ingress_request_router`
 import itertools
 import json
 import logging
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from ray import serve
@@ -59,6 +60,33 @@ log = logging.getLogger("ray.serve")
 # Set by HAProxy from this router's answer, e.g. "prefix 12 0.250": reason, prefix blocks, cost. HAProxy deletes any
 # `x-serve-router-*` header a client sends to an app with an ingress request router.
 ROUTE_HEADER = "x-serve-router-duet-route"
+
+
+
+@dataclass(frozen=True)
+class IngressRoute:
+    """Why this router chose a replica, as it travels to that replica in `ROUTE_HEADER`
+    ("prefix 12 0.250"): the decision's reason, the prompt's leading blocks the replica
+    holds, and the decision's cost there."""
+
+    reason: str
+    cached_blocks: int
+    cost: float
+
+    def header(self) -> str:
+        return f"{self.reason} {self.cached_blocks} {self.cost:.3f}"
+
+    @classmethod
+    def parse(cls, value: str | None) -> "IngressRoute | None":
+        """The route a header names; None for a missing or malformed one."""
+        parts = (value or "").split(" ")
+        if len(parts) != 3 or not parts[0]:
+            return None
+        try:
+            return cls(parts[0], int(parts[1]), float(parts[2]))
+        except ValueError:
+            return None
+
 
 # A larger body is routed by load: tokenizing megabytes would outlast HAProxy's 5 s
 # wait for this router's answer, and no prompt that long fits the model anyway.
@@ -100,8 +128,8 @@ class IngressRouter:
             answer: dict = {"replica_id": selection._replica.replica_id.to_full_id_str()}
         decision = view.take_pick(self.pool_name, selection._request_metadata.internal_request_id)
         if decision is not None:
-            why = f"{decision.reason} {decision.cached_blocks} {decision.cost:.3f}"
-            answer["request_headers"] = {ROUTE_HEADER: why}
+            route = IngressRoute(decision.reason, decision.cached_blocks, decision.cost)
+            answer["request_headers"] = {ROUTE_HEADER: route.header()}
         return answer
 
     @router_app.get("/health")

@@ -62,6 +62,7 @@ from typing import TypeVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from autoscaling.placement import DecodeSide, PrefillSide
 from engine.hashing import block_hashes
 from kvtransfer.events.config import PrefixIndexConfig
 from kvtransfer.events.log import KVLogWindow, events_after
@@ -285,6 +286,13 @@ def _stats(replica: RunningReplica) -> RoutingStats:
     return RoutingStats.from_wire(replica.routing_stats)
 
 
+def _serving(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """The replicas whose engine serves; all of them if none does (a call to one whose
+    engine core is being replaced fails at once, and its caller retries or waits)."""
+    serving = [r for r in replicas if _stats(r).serving]
+    return serving or replicas
+
+
 class _IndexFollowing:
     """The prefix index of one pool's replicas, kept from their KV events (a mixin over
     `_LoadTracking` and RequestRouter): the replica set, the event-log cursors, and
@@ -411,6 +419,7 @@ class KVAwarePrefillRouter(_IndexFollowing, _LoadTracking, RequestRouter):
             return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
         prompt = req.prompt_token_ids
         started = time.monotonic()
+        candidate_replicas = _serving(candidate_replicas)
         # Let completion callbacks already queued on this loop run first, so a request
         # that just finished is not counted as load.
         await asyncio.sleep(0)
@@ -430,15 +439,14 @@ class KVAwarePrefillRouter(_IndexFollowing, _LoadTracking, RequestRouter):
         rest.sort(key=lambda r: self._snapshot(replica_key(r.replica_id), r).queued_prefill_tokens)
         return [[by_key[decision.replica_id]], *([r] for r in rest)]
 
-    async def remote_view(self, req: PrefillRequest) -> tuple[int, int]:
-        """(least prompt tokens queued on a replica, longest prefix of `req` a replica
-        holds, in tokens): the prefill side of `router.disaggregation: auto`'s price."""
+    async def remote_view(self, req: PrefillRequest) -> PrefillSide:
+        """The prefill side of `router.disaggregation: auto`'s price."""
         replicas = self._running
         if not replicas:
-            return 0, 0
+            return PrefillSide(0, 0)
         matched = await self._match(req)
         queued = min(self._snapshot(replica_key(r.replica_id), r).queued_prefill_tokens for r in replicas)
-        return queued, max(matched.values(), default=0) * self.block_size
+        return PrefillSide(queued, max(matched.values(), default=0) * self.block_size)
 
 
 class KVAwareDecodeRouter(_IndexFollowing, _LoadTracking, RequestRouter):
@@ -494,7 +502,12 @@ class KVAwareDecodeRouter(_IndexFollowing, _LoadTracking, RequestRouter):
         if req is None:
             return [self._rng.sample(candidate_replicas, len(candidate_replicas))]
         started = time.monotonic()
+        candidate_replicas = _serving(candidate_replicas)
         by_key = {replica_key(r.replica_id): r for r in candidate_replicas}
+        # A replica whose engine is lost is not chosen while another can take the call.
+        kept = {k: r for k, r in by_key.items() if k not in req.avoid_replicas}
+        if kept:
+            by_key, candidate_replicas = kept, list(kept.values())
         fork = self._fork_target(req, by_key)
         if fork is not None:
             return self._route_fork(pending_request, fork, by_key, req.trace, started)
@@ -506,15 +519,15 @@ class KVAwareDecodeRouter(_IndexFollowing, _LoadTracking, RequestRouter):
         rest = [r for k, r in by_key.items() if k != decision.replica_id]
         return [[by_key[decision.replica_id]], *([r] for r in rest)]
 
-    async def local_view(self, req: PrefillRequest) -> tuple[int, int, bool] | None:
-        """(prefix of `req` held, in tokens; sequences running; whether it has room) of
-        the replica a local prefill of `req` would go to: the decode side of
+    async def local_view(self, req: PrefillRequest) -> DecodeSide | None:
+        """The replica a local prefill of `req` would go to, as the decode side of
         `router.disaggregation: auto`'s price. None with no replica."""
         if not self._running:
             return None
         decision, snapshots, need = await self._decide(req, self._running)
         chosen = next(s for s in snapshots if s.replica_id == decision.replica_id)
-        return decision.cached_blocks * self.block_size, chosen.running_requests, chosen.free_kv_blocks >= need
+        return DecodeSide(decision.cached_blocks * self.block_size, chosen.running_requests,
+                          chosen.free_kv_blocks >= need)
 
 
 class KVAwareAggregatedRouter(KVAwareDecodeRouter):

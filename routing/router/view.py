@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
-from autoscaling.placement import ClusterView
+from autoscaling.placement import ClusterView, DecodeSide, PrefillSide
 from kvtransfer.messages import PrefillRequest
 from routing.router.policy import RoutingDecision
 
@@ -27,11 +27,11 @@ T = TypeVar("T")
 
 
 class _PrefillSide(Protocol):
-    async def remote_view(self, req: PrefillRequest) -> tuple[int, int]: ...
+    async def remote_view(self, req: PrefillRequest) -> PrefillSide: ...
 
 
 class _DecodeSide(Protocol):
-    async def local_view(self, req: PrefillRequest) -> tuple[int, int, bool] | None: ...
+    async def local_view(self, req: PrefillRequest) -> DecodeSide | None: ...
 
 
 _routers: dict[str, tuple[weakref.ref, asyncio.AbstractEventLoop]] = {}
@@ -68,21 +68,26 @@ async def _on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> 
                                   _VIEW_TIMEOUT_S)
 
 
-async def cluster_view(req: PrefillRequest) -> ClusterView | None:
+async def cluster_view(req: PrefillRequest, local: _DecodeSide | None = None) -> ClusterView | None:
     """The prefill pool's least queue and longest prefix of `req`, and the decode
-    replica a local prefill would go to; None until both routers have replicas."""
-    prefill, decode = _router("prefill"), _router("decode")
-    if prefill is None or decode is None:
+    replica a local prefill would go to: `local` where given (the decode replica this
+    process is, which is where the ingress put the request), else the decode router's
+    choice; None until the routers it asks have replicas."""
+    prefill = _router("prefill")
+    decode = _router("decode") if local is None else None
+    if prefill is None or (local is None and decode is None):
         return None
     p: _PrefillSide = prefill[0]
-    d: _DecodeSide = decode[0]
-    queued, prefill_cached = await _on(prefill[1], p.remote_view(req))
-    local = await _on(decode[1], d.local_view(req))
-    if local is None:
+    remote = await _on(prefill[1], p.remote_view(req))
+    if local is not None:
+        seen = await asyncio.wait_for(local.local_view(req), _VIEW_TIMEOUT_S)
+    else:
+        assert decode is not None
+        seen = await _on(decode[1], decode[0].local_view(req))
+    if seen is None:
         return None
-    decode_cached, running, fits = local
-    return ClusterView(prefill_queued_tokens=queued, prefill_cached_tokens=prefill_cached,
-                       decode_cached_tokens=decode_cached, decode_running=running, decode_fits=fits)
+    return ClusterView(prefill_queued_tokens=remote.queued_tokens, prefill_cached_tokens=remote.cached_tokens,
+                       decode_cached_tokens=seen.cached_tokens, decode_running=seen.running, decode_fits=seen.fits)
 
 
 def take_pick(pool: str, internal_request_id: str) -> RoutingDecision | None:

@@ -1,6 +1,6 @@
 """What the ingress request router (routing/router/ingress.py) costs and what it buys.
 
-Serves the aggregated pool colocated behind HAProxy (`duet serve --colocate --ingress
+Serves the aggregated pool colocated behind HAProxy (`duet serve --ingress
 haproxy`) in four setups, each on a fresh cluster started as `duet serve` starts it
 (`serve_cli.start`), and drives each with `duet bench serve` in its own process:
 
@@ -53,7 +53,7 @@ def run(setup: str) -> dict:
     cfg = load_config(overrides={
         "mode": "aggregated", "engine.num_kv_blocks": 256, "engine.max_model_len": 1024,
         "aggregated.replicas": s["replicas"], "aggregated.threads": s["threads"], "aggregated.num_cpus": s["num_cpus"],
-        "gateway.colocate": True, "gateway.ingress": "haproxy", "gateway.port": PORT, "router.policy": s["policy"]})
+        "gateway.ingress": "haproxy", "gateway.port": PORT, "router.policy": s["policy"]})
     url = serve_cli.start(cfg)
     try:
         with tempfile.TemporaryDirectory() as d:

@@ -1,4 +1,4 @@
-"""`duet serve --mode aggregated --colocate --ingress haproxy --replicas 2`: each
+"""`duet serve --mode aggregated --replicas 2`: each
 aggregated replica runs the gateway and its own HTTP server, and HAProxy, not Serve's
 Python proxy, carries each connection to one of them, so a streamed token crosses no
 Ray hop between processes. HAProxy asks the ingress request router which replica
@@ -31,7 +31,7 @@ DIRECT_PORTS = range(30500, 30510)
 @pytest.fixture(scope="module")
 def direct(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     with running(tmp_path_factory.mktemp("haproxy"),
-                 args=("--mode", "aggregated", "--colocate", "--ingress", "haproxy", "--replicas", "2"),
+                 args=("--mode", "aggregated", "--replicas", "2"),
                  env={"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(DIRECT_PORTS.start),
                       "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(DIRECT_PORTS.stop)}) as s:
         yield s

@@ -1,4 +1,4 @@
-"""`duet serve --colocate --ingress haproxy --decode-replicas 2` in P/D mode, every
+"""`duet serve --decode-replicas 2` in P/D mode, every
 prompt prefilled where it decodes (`router.disaggregation.mode: never`): each decode
 replica runs the gateway and is an HTTP ingress, and HAProxy asks the ingress request
 router which one takes a request; the decode router's choice puts a prompt on the
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.stops_server]
 @pytest.fixture(scope="module")
 def direct_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     with running(tmp_path_factory.mktemp("haproxy-pd"),
-                 args=("--mode", "disaggregated", "--colocate", "--ingress", "haproxy", "--decode-replicas", "2"),
+                 args=("--mode", "disaggregated", "--decode-replicas", "2"),
                  config=CONFIG + "router: {disaggregation: {mode: never}}\n") as s:
         yield s
 

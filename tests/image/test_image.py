@@ -85,7 +85,7 @@ def test_three_namespace_nodes_from_the_image_serve_the_rendered_chart(image_roo
         "decode": {"node_group": "decode", "num_cpus": 1, "threads": 1},
         "transfer": {"backend": "nixl", "ucx_tls": "tcp,self"},
         "router": {"prefix_index": "memory"},
-        "gateway": {"host": "0.0.0.0", "port": HTTP_PORT, "node_group": "gateway"},
+        "gateway": {"host": "0.0.0.0", "port": HTTP_PORT},
     }
     values["redis"] = {"enabled": False}
     objects = helm_chart.render(values)

@@ -25,12 +25,14 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from cluster.config import ClusterConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 log = logging.getLogger("duet.tests")
+T = TypeVar("T")
 APP_NAME = "duet"
 PORT = 8765
 BLOCK_SIZE = 16
@@ -49,6 +51,11 @@ BASE = {
     "decode.threads": 1,
     "aggregated.threads": 1,
     "gateway.port": PORT,
+    # The session's one Ray cluster runs Serve's Python proxy in front of the ingress
+    # replicas (the replicas that decode, each with the gateway inside): HAProxy is a
+    # Ray-cluster-wide switch, and the e2e and multi-node tests run it (`duet serve`'s
+    # default). The proxy picks an ingress replica by load alone.
+    "gateway.ingress": "proxy",
 }
 
 # Where the "traced" cluster exports spans (the test's OTLP sink), and where this
@@ -67,7 +74,7 @@ REQUEST_TIMEOUT_S = 10.0
 CORS_ORIGIN = "https://app.example"
 MAX_BODY_BYTES = 8192
 
-# The "aggregated" and "colocated" clusters' speculative decoding, and the "torch"
+# The "aggregated" cluster's speculative decoding, and the "torch"
 # cluster's: a draft model, the embedded model drafting for itself (the only checkpoint
 # here; every draft is accepted, so each greedy request verifies drafts).
 SPECULATIVE = {"method": "ngram", "num_tokens": 4}
@@ -106,12 +113,9 @@ CLUSTERS: dict[str, dict] = {
     "nixl": {"gateway.max_migrations": 0, "gateway.prefill_retries": 0},
     # Speculative decoding in the pools that decode: every greedy test of these proves
     # it exact through a served path (test_cluster_api.py). "torch" drafts with a draft
-    # model, which prefills each imported prompt itself; it also runs the gateway inside
-    # its decode replica (gateway.colocate): that replica streams.
-    "torch": {"transfer.backend": "torch", "engine.speculative": DRAFT_SPECULATIVE, "gateway.colocate": True},
+    # model, which prefills each imported prompt itself.
+    "torch": {"transfer.backend": "torch", "engine.speculative": DRAFT_SPECULATIVE},
     "aggregated": {"mode": "aggregated", "engine.speculative": SPECULATIVE},
-    # The same, with the gateway inside the aggregated replica (gateway.colocate).
-    "colocated": {"mode": "aggregated", "gateway.colocate": True, "engine.speculative": SPECULATIVE},
     # API keys, one request in flight and 1,100 tokens a minute per key, 8 KiB bodies,
     # 10 s per request, 40 header fields, one CORS origin, each key's KV its own.
     "secure": {
@@ -247,13 +251,12 @@ class RedisServer:
 def start_ray() -> None:
     """The session's Ray cluster (a new one, never one a `ray start` left) and Serve's
     proxy on `PORT`."""
-    import ray
     from ray import serve
 
     from cluster.app import CONTROLLER_ENV, REPLICA_ENV
+    from cluster.ray_start import init_local
 
-    ray.init(
-        address="local",
+    init_local(
         num_cpus=4,
         include_dashboard=False,
         logging_level=logging.WARNING,
@@ -528,6 +531,44 @@ def kill_replica(replica_id: str) -> None:
     ray.kill(_replica_actor(replica_id), no_restart=True)
 
 
+def kill_engine_core(replica_id: str) -> int:
+    """SIGKILL one Serve replica's engine core child (the replica stays); its pid."""
+    import signal
+
+    import ray
+
+    pid = ray.get(_replica_actor(replica_id).__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    cores = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:  # the parent pid is the 4th field after the command in parentheses
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and b"engine.core_process" in (proc / "cmdline").read_bytes():
+                cores.append(int(proc.name))
+        except (OSError, IndexError, ValueError):  # a process that ended while we read it
+            continue
+    assert len(cores) == 1, f"replica {replica_id} (pid {pid}) has engine cores {cores}"
+    os.kill(cores[0], signal.SIGKILL)
+    return cores[0]
+
+
+def in_replica(replica_id: str, fn: Callable[[Any], T]) -> T:
+    """`fn(the replica's deployment instance)`, run in that replica's actor: a call
+    through a handle (or HTTP through the proxy) lands on any replica of the pool.
+    Reaches into Serve's replica actor (Ray 2.60's attribute names)."""
+    import ray
+
+    def call(actor) -> T:
+        return fn(actor._replica_impl._user_callable_wrapper.user_callable)
+
+    return ray.get(_replica_actor(replica_id).__ray_call__.remote(call), timeout=60)
+
+
+def engine_restarts(replica_id: str) -> dict[str, float]:
+    """One replica's engine core restart counters (`CoreRestarts.stats`): of its pool
+    server (the prefill deployment's instance, or the one inside a gateway)."""
+    return in_replica(replica_id, lambda served: getattr(served, "local", served).restarts.stats())
+
+
 def live_replicas(pool: str) -> set[str]:
     """Replica ids (`decode#abc`) of `pool` whose actors are alive."""
     import ray
@@ -588,13 +629,24 @@ def cached_tokens(resp: dict) -> int:
 
 
 def gateway_counter(duet: Duet, name: str, **labels: str) -> float:
-    """The sum of a series' samples on the gateway's /metrics (every label set that has
-    `labels`)."""
-    import httpx
+    """The sum of a series' samples (every label set that has `labels`) over the
+    registries of every live ingress replica (each decode or aggregated replica runs a
+    gateway, and a /metrics scrape through the proxy reads one of them only)."""
+    import ray
 
-    text = httpx.get(f"{duet.url}/metrics", timeout=10).text
+    def registry_text(gateway) -> str:  # on the replica: its gateway's registry, as /metrics gives it
+        from prometheus_client import generate_latest
+        return generate_latest(gateway.gateway_metrics.registry).decode()
+
+    pool = "aggregated" if duet.cfg.mode == "aggregated" else "decode"
+    texts = []
+    for replica in live_replicas(pool):
+        try:
+            texts.append(in_replica(replica, registry_text))
+        except (ValueError, ray.exceptions.RayActorError):  # it stopped since it was listed
+            continue
     wanted = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for text in texts for line in text.splitlines()
                if (line.startswith(name + " ") and not wanted)
                or (line.startswith(name + "{") and all(w in line for w in wanted)))
 

@@ -16,7 +16,7 @@ import torch
 from duet_cluster import wait_baseline
 from ray import serve
 
-from cluster.serve_cli import APP_NAME
+from cluster.serve_config import APP_NAME
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
@@ -24,6 +24,7 @@ from engine.structured import StructuredOutput
 from engine.tokenizer import load_tokenizer
 from engine.weights import SMOLLM2_ID
 from kvtransfer.messages import PrefillRequest
+from routing.openai.metrics import POOL_STATS
 from routing.openai.protocol import ChatCompletionRequest
 
 pytestmark = pytest.mark.integration
@@ -44,7 +45,6 @@ SETUPS = [
     pytest.param("nixl", marks=pytest.mark.cluster("nixl"), id="disagg-nixl"),
     pytest.param("torch", marks=pytest.mark.cluster("torch"), id="disagg-torch"),
     pytest.param("aggregated", marks=pytest.mark.cluster("aggregated"), id="aggregated"),
-    pytest.param("colocated", marks=pytest.mark.cluster("colocated"), id="colocated"),
 ]
 
 
@@ -170,6 +170,10 @@ def test_a_json_schema_is_honoured_by_prefill_and_decode(duet, reference, setup)
     got = [(c.choices[0].delta.content or "", c.choices[0].finish_reason) for c in chunks if c.choices]
     assert "".join(t for t, _ in got) == text and got[-1][1] == finish == "stop"
     assert set(json.loads(text)) == {"name", "age"}
+    # `{"type": "json_object", "schema": S}` (instructor's JSON_SCHEMA mode) is the same constraint.
+    r = client(duet).chat.completions.create(model=SMOLLM2_ID, messages=PERSON_CHAT, max_tokens=64, temperature=0,
+                                             response_format={"type": "json_object", "schema": PERSON})
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (text, "stop")
 
 
 @pytest.mark.parametrize("setup", SETUPS)
@@ -261,9 +265,9 @@ def test_speculative_decoding_is_exact_through_the_pool_that_decodes(duet, refer
     assert after["spec_verify_steps"] > before["spec_verify_steps"]
 
 
-@pytest.mark.parametrize("setup", [p for p in SETUPS if p.values[0] in ("torch", "colocated")])
+@pytest.mark.parametrize("setup", [p for p in SETUPS if p.values[0] in ("torch", "aggregated")])
 def test_the_replica_that_decodes_is_the_ingress(duet, setup):
-    """gateway.colocate: no gateway deployment; HTTP reaches the pool that decodes
+    """No gateway deployment: HTTP reaches the pool that decodes
     (decode in P/D, aggregated otherwise), and it answers for the whole app."""
     pool = "decode" if duet.cfg.mode == "disaggregated" else "aggregated"
     assert set(serve.status().applications[APP_NAME].deployments) == set(duet.cfg.pools())
@@ -274,12 +278,12 @@ def test_the_replica_that_decodes_is_the_ingress(duet, setup):
 
 
 @pytest.mark.cluster("torch")
-def test_a_colocated_decode_replica_decodes_for_the_others(duet, reference):
+def test_a_decode_replica_decodes_for_the_others(duet, reference):
     """Its `generate` (the call a pass migrated off another decode replica, or a
     sequence one hands on as it drains, reaches it by: `pipeline.RemotePool` on the
     deployment's handle) streams greedy tokens equal to the single-process engine's."""
     ids = tuple(load_tokenizer(duet.cfg.engine.model).encode(PROMPT))
-    req = PrefillRequest("colocated-generate", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    req = PrefillRequest("peer-generate", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     outs = [o for batch in duet.handle("decode").options(stream=True).generate.remote(req) for o in batch]
     assert outs[-1].finished
     assert "".join(o.text for o in outs) == reference["completion"][0]
@@ -297,8 +301,11 @@ def test_probes_and_models(duet):
         assert metrics.status_code == 200
         body = metrics.text
         for pool in ("prefill", "decode"):
-            assert f'duet_pool_stat{{pool="{pool}"' in body
-        assert 'stat="kv_blocks_free"' in body
+            gauged = {line.split('stat="', 1)[1].split('"', 1)[0] for line in body.splitlines()
+                      if line.startswith(f'duet_pool_stat{{pool="{pool}"')}
+            # Every stat the gauge declares is still reported (a decode pool publishes KV events only
+            # where prompts may be prefilled on it).
+            assert set(POOL_STATS[pool]) - gauged <= {"kv_events_cached_blocks", "kv_events_seq"}, pool
         assert "duet_ttft_seconds" in body
 
 
@@ -355,6 +362,21 @@ def test_bad_input_gets_openai_errors_and_server_keeps_serving(duet):
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model=SMOLLM2_ID, prompt=PROMPT, max_tokens=-1)
+    # A field nobody honours is a 400 naming its path, at any depth.
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOLLM2_ID, max_tokens=2, messages=[
+            *CHAT, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more", "bogus": 1}])
+    assert e.value.body["param"] == f"messages[{len(CHAT) + 1}].bogus"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=SMOLLM2_ID, messages=CHAT, max_tokens=2,
+                                  stream_options={"include_usage": True}, extra_body={"stream_options": {
+                                      "include_usage": True, "chunk_size": 4}}, stream=True)
+    assert e.value.body["param"] == "stream_options.chunk_size"
+    # A response sent back as the conversation's next turn (its null echoes included) is fine.
+    first = c.chat.completions.create(model=SMOLLM2_ID, messages=CHAT, max_tokens=2, temperature=0)
+    again = c.chat.completions.create(model=SMOLLM2_ID, max_tokens=2, temperature=0, messages=[
+        *CHAT, first.choices[0].message.model_dump(), {"role": "user", "content": "and?"}])
+    assert again.usage.completion_tokens == 2
 
     # Still serving, and nothing leaked by the rejected requests.
     r = c.completions.create(model=SMOLLM2_ID, prompt=PROMPT, max_tokens=4, temperature=0)

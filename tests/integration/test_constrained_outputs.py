@@ -1,7 +1,7 @@
 """Structured outputs and `n` choices on a real disaggregated cluster (two replicas per
 pool): 15 JSON-schema requests over 3 schemas, streamed and not, sampled and batched
 together, each answer valid against its schema (jsonschema); a structured stream whose
-decode replica is killed mid-stream migrates and still ends as the uninterrupted
+decode replica loses its engine mid-stream migrates and still ends as the uninterrupted
 document; `n` choices come back with the prompt counted once and every KV block free.
 """
 
@@ -14,8 +14,10 @@ import httpx
 import jsonschema
 import pytest
 from duet_cluster import (
+    engine_restarts,
     gateway_counter,
-    kill_replica,
+    kill_engine_core,
+    live_replicas,
     serving_replica,
     wait_baseline,
     wait_for,
@@ -68,7 +70,12 @@ def test_fifteen_schema_requests_all_validate(duet):
         wait_baseline(duet, pool_name)
 
 
-def test_a_structured_stream_survives_losing_its_decode_replica(duet):
+def test_a_structured_stream_survives_losing_its_decode_engine(duet):
+    """The decode replica the request came in on loses its engine core mid-stream: the
+    stream migrates to the other decode replica (never back to the one that lost its
+    engine) and goes on under the same grammar, token for token as without the loss;
+    the replica starts a new engine core in place (Serve does not replace it) and
+    serves again."""
     wait_replicas("decode", 2)
     body = {**_body("employee", 0, True), "temperature": 0}
     reference, finish = _chat(duet.url, body)
@@ -79,7 +86,7 @@ def test_a_structured_stream_survives_losing_its_decode_replica(duet):
     def kill_at_fifth(n: int) -> None:
         if n == 5 and not killed:
             replica = wait_for(lambda: serving_replica("decode"), 30, interval=0.05, what="the serving decode replica")
-            kill_replica(replica)
+            kill_engine_core(replica)
             killed.append(replica)
 
     text, finish = _chat(duet.url, body, kill_at_fifth)
@@ -87,7 +94,13 @@ def test_a_structured_stream_survives_losing_its_decode_replica(duet):
     assert (text, finish) == (reference, "stop")
     jsonschema.validate(json.loads(text), SCHEMAS["employee"])
     assert gateway_counter(duet, "duet_migrations_total") - before == 1
+    restarted = wait_for(lambda: (s := engine_restarts(killed[0]))["engine_restarts"] >= 1 and s, 120,
+                         what="the engine core restarted in place")
+    assert restarted["engine_serving"] == 1 and restarted["engine_restart_failures"] == 0
+    assert killed[0] in live_replicas("decode")  # the same replica, not a replacement
     wait_replicas("decode", 2)
+    again, finish = _chat(duet.url, body)  # and the pool serves as before
+    assert (again, finish) == (reference, "stop")
 
 
 def test_n_choices_count_the_prompt_once_and_free_every_block(duet):

@@ -63,13 +63,11 @@ def test_a_conversation_goes_on_where_its_earlier_turn_is_cached(duet, reference
     wait_idle(duet)
     first = complete(duet, FIRST, max_tokens=FUZZ_MAX_TOKENS)
     assert first["choices"][0]["text"] == reference[tuple(FIRST)]
-    # The decode replica's KV events (the first turn's blocks among them) reach the
-    # gateway's decode router with its routing stats.
-    decode = duet.stats("decode")
-    wait_for(lambda: gateway_counter(duet, "duet_router_kv_events_seq", pool="decode",
-                                     replica=decode["replica_id"]) >= decode["kv_events_seq"], 30,
-             what="the gateway's decode router to apply the decode replica's KV events")
     held = len(FIRST) // BLOCK_SIZE
+    # The replica the request comes in on prices a local prefill from its own KV events:
+    # the first turn's blocks among them once the engine has reported them.
+    wait_for(lambda: duet.stats("decode")["kv_events_cached_blocks"] >= held, 30,
+             what="the decode replica's KV events to hold the first turn")
     p0 = duet.stats("prefill")
     placed0 = gateway_counter(duet, "duet_disaggregation_decisions_total", where="local", reason="cheaper_local")
     body = complete(duet, NEXT, max_tokens=FUZZ_MAX_TOKENS)

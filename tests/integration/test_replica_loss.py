@@ -1,8 +1,11 @@
-"""Lost and stopped replicas on a real cluster: a decode replica killed mid-stream does
-not end the client's stream (the request migrates and the greedy text is unchanged);
-requests sent right after a prefill replica is killed are served by the other one; a
-decode replica removed by a scale-down hands its streams on with their KV (moved, not
-migrated)."""
+"""Lost and stopped replicas on a real cluster: requests sent right after a prefill
+replica is killed are served by the other one; a decode replica removed by a
+scale-down hands its streams on with their KV (moved, not migrated), and keeps
+streaming them to its clients as their ingress.
+
+A decode replica killed outright takes its clients' connections with it (it is their
+HTTP ingress): test_failures.py checks that such a stream ends with an error, never a
+hang, and that nothing leaks."""
 
 from __future__ import annotations
 
@@ -12,11 +15,9 @@ import time
 import httpx
 import pytest
 from duet_cluster import (
-    gateway_counter,
     kill_replica,
     live_replicas,
     ongoing_requests,
-    serving_replica,
     wait_baseline,
     wait_for,
     wait_idle,
@@ -30,21 +31,6 @@ CHAT = {"messages": [{"role": "user", "content": "Tell me a long story about a l
         "temperature": 0, "ignore_eos": True, "stream": True}
 # Long enough to be decoding still when the resize it outlives starts.
 LONG_CHAT = {**CHAT, "max_tokens": 400}
-
-
-def _logged_migrations(request_ids: set[str]) -> list[str]:
-    """Lines of this Ray session's logs where a gateway migrated one of `request_ids`."""
-    from pathlib import Path
-
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
-    hits = []
-    for path in [*logs.glob("worker-*.err"), *logs.glob("worker-*.out"), *logs.glob("serve/*.log")]:
-        for line in path.read_text(errors="replace").splitlines():
-            if "migrating" in line and any(rid in line for rid in request_ids):
-                hits.append(line)
-    return hits
 
 
 def _stream(duet, on_chunk=None, chat: dict = CHAT) -> tuple[str, list[dict]]:
@@ -61,29 +47,6 @@ def _stream(duet, on_chunk=None, chat: dict = CHAT) -> tuple[str, list[dict]]:
                 if on_chunk is not None:
                     on_chunk(event["id"], n)
     return text, events
-
-
-def test_a_decode_replica_killed_mid_stream_does_not_end_the_stream(duet):
-    wait_replicas("decode", 2)
-    reference, _ = _stream(duet)
-    before = gateway_counter(duet, "duet_migrations_total")
-    killed: list[str] = []
-
-    def kill_at_tenth(request_id: str, n: int) -> None:
-        if n == 10 and not killed:
-            replica = wait_for(lambda: serving_replica("decode"), 30, interval=0.05,
-                               what=f"the decode replica serving {request_id}")
-            kill_replica(replica)
-            killed.append(replica)
-
-    text, events = _stream(duet, kill_at_tenth)
-    assert killed, "the stream ended before its 10th chunk"
-    assert text == reference
-    assert gateway_counter(duet, "duet_migrations_total") - before == 1
-    rid = events[0]["id"]
-    wait_for(lambda: _logged_migrations({rid}), 30, what="the migration in the gateway's log")
-    wait_replicas("decode", 2)
-    wait_idle(duet, timeout=60)
 
 
 def test_requests_right_after_a_prefill_replica_dies_are_served(duet):
@@ -109,10 +72,10 @@ def test_scaling_down_moves_the_stopped_replicas_sequences_with_their_kv(deploye
     # The whole cluster at its size first: a replica an earlier test killed may still be
     # being replaced (or its actor still exiting), and "no other replica is restarted"
     # compares the live actors before and after the resize.
-    for pool, n in (("gateway", 1), ("prefill", 2), ("decode", 2)):
+    for pool, n in (("prefill", 2), ("decode", 2)):
         wait_replicas(pool, n, exact=True)
         wait_for(lambda pool=pool, n=n: len(live_replicas(pool)) == n, 60, what=f"{n} live {pool} actors")
-    before = {pool: live_replicas(pool) for pool in ("gateway", "prefill", "decode")}
+    before = {pool: live_replicas(pool) for pool in ("prefill", "decode")}
     granted = _prefill_leases_granted(duet)
     texts: dict[int, str] = {}
     started = [threading.Event(), threading.Event()]
@@ -132,21 +95,18 @@ def test_scaling_down_moves_the_stopped_replicas_sequences_with_their_kv(deploye
     # A stats call may be in flight beside a stream for a moment: wait it out.
     wait_for(lambda: sorted(ongoing_requests("decode").values()) == [1, 1], 30,
              what="one stream on each decode replica")
-    migrations = gateway_counter(duet, "duet_migrations_total")
-    moves = gateway_counter(duet, "duet_sequence_moves_total")
     assert all(t.is_alive() for t in threads)  # both still decoding as the resize starts
     smaller = deployer("resilient", {"decode.replicas": 1})  # returns once one decode replica is left
     for t in threads:
         t.join(300)
     assert len(texts) == 2 and texts[0] == texts[1] and len(texts[0]) > 0
-    # Moved, not lost: one sequence moved, nothing migrated, nothing prefilled again.
-    assert gateway_counter(smaller, "duet_sequence_moves_total") == moves + 1
-    assert gateway_counter(smaller, "duet_migrations_total") == migrations
+    # Moved, not lost: nothing prefilled again (a migration would have been a third
+    # prefill). The move's counter lived in the drained replica, its stream's ingress.
     assert _prefill_leases_granted(smaller) == granted + 2
     # Serve counts a replica stopped once it asked Ray to kill it; the actor may linger.
     wait_for(lambda: len(live_replicas("decode")) == 1, 30, what="one decode actor left")
-    after = {pool: live_replicas(pool) for pool in ("gateway", "prefill", "decode")}
-    assert after["gateway"] == before["gateway"] and after["prefill"] == before["prefill"]
+    after = {pool: live_replicas(pool) for pool in ("prefill", "decode")}
+    assert after["prefill"] == before["prefill"]
     assert len(after["decode"]) == 1 and after["decode"] < before["decode"]
     (survivor,) = wait_baseline(smaller, "decode").values()
     assert survivor["import_blocks_held"] == 0 and survivor["leases_active"] == 0

@@ -29,11 +29,12 @@ def cluster_config(mn: netns.NamespaceCluster, redis_url: str, backend: str) -> 
     return {
         "engine": {"dtype": "float32", "device": "cpu", "num_kv_blocks": 256, "max_model_len": 1024},
         "prefill": {"node_group": "prefill", "num_cpus": 1, "threads": 1},
-        "decode": {"node_group": "decode", "num_cpus": 1, "threads": 1},
+        # 0.75 + the gateway's 0.25 (it runs inside the decode replica) = the node's CPU.
+        "decode": {"node_group": "decode", "num_cpus": 0.75, "threads": 1},
         "transfer": {"backend": backend, "ucx_tls": "tcp,self", "lease_ttl_s": LEASE_TTL_S},
         "router": {"prefix_index": "redis", "redis_url": f"{redis_url}/0"},
         "cache": {"redis_url": f"{redis_url}/1", "chunk_size": BLOCK_SIZE},
-        "gateway": {"host": "0.0.0.0", "port": HTTP_PORT, "node_group": "gateway"},
+        "gateway": {"host": "0.0.0.0", "port": HTTP_PORT},
     }
 
 

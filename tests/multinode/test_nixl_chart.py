@@ -1,12 +1,13 @@
-"""duet across three Ray nodes (head + gateway, prefill, decode), each in its own
+"""duet across three Ray nodes (head, prefill, decode), each in its own
 network namespace, deployed from the Helm chart's rendered `serveConfigV2` with the
 NIXL backend over UCX's TCP transport.
 
 Greedy output equals the single-process engine's; each pool runs on its own node and
 the transfer is counted there (each node's own metrics agent); the prefix index and
-the KV tier live in a Redis reached over the bridge. Then the decode node is killed
-mid-stream: the stream ends with a clear error (no hang), the prefill node's leases
-go back to zero, the gateway keeps answering (a new chat gets a clear 503), and once
+the KV tier live in a Redis reached over the bridge; HTTP enters through the head's
+HAProxy, which forwards it to the decode replica (the gateway runs inside it). Then the
+decode node is killed mid-stream: the stream ends (the connection to its ingress
+replica is gone) and never hangs, the prefill node's leases go back to zero, and once
 the node is back the cluster serves exactly again.
 """
 
@@ -67,7 +68,8 @@ def test_greedy_output_is_exact_across_nodes(duet, mn, reference, chat):
 def test_each_pool_runs_and_counts_on_its_own_node(duet, mn):
     def placed() -> dict | None:
         nodes = {n: scrape(mn, n) for n in ("head", "prefill", "decode")}
-        seen = (total(nodes["head"], "ray_duet_requests_total", pool="gateway") > 0
+        # The gateway counts its requests where it runs: in the decode replica.
+        seen = (total(nodes["decode"], "ray_duet_requests_total", pool="gateway") > 0
                 and total(nodes["prefill"], "ray_duet_kv_blocks_total", pool="prefill") > 0
                 and total(nodes["decode"], "ray_duet_kv_blocks_total", pool="decode") > 0)
         return nodes if seen else None  # replicas export every second: wait for it
@@ -104,32 +106,30 @@ def test_losing_the_decode_node_mid_stream_errors_and_the_cluster_recovers(duet,
     body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell me a long story about a dragon."}],
             "max_tokens": 400, "temperature": 0, "stream": True}
     events: list[str] = []
-    # A hang is a ReadTimeout: no byte for 120 s. Without a decode replica the
-    # migration's decode call ends once its lease has (LEASE_TTL_S + the grace).
-    with httpx.stream("POST", f"{duet.url}/v1/chat/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if len(events) == 5:
-                    mn.kill_node("decode")
+    # A hang is a ReadTimeout: no byte for 120 s. The decode replica is the stream's
+    # HTTP ingress: with its node gone the stream ends, cut or with an error event.
+    ended_by = None
+    try:
+        with httpx.stream("POST", f"{duet.url}/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 5:
+                        mn.kill_node("decode")
+    except httpx.TimeoutException:
+        raise
+    except httpx.HTTPError as e:
+        ended_by = e
     errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
-    assert errors, events[-3:]  # the client is told, in the stream it is reading
+    assert ended_by is not None or errors, events[-3:]  # cut, or told in the stream it is reading
+    assert "[DONE]" not in events
 
     def no_leases() -> bool:
         s = scrape(mn, "prefill")
         return "ray_duet_kv_leases_active" in s and total(s, "ray_duet_kv_leases_active") == 0
 
     wait_for(no_leases, 60, "the prefill node's leases back to zero")
-
-    # Meanwhile the cluster still answers: the gateway, and a new chat with a clear
-    # error (a 503 once no decode replica has started it within its lease; a 500 if
-    # Serve still routed it to the lost replica, twice), never a hang.
-    assert httpx.get(f"{duet.url}/v1/models", timeout=30).status_code == 200
-    r = httpx.post(f"{duet.url}/v1/chat/completions", timeout=120, json={**body, "stream": False, "max_tokens": 8})
-    assert r.status_code in (500, 503), r.text
-    assert "decode" in r.json()["error"]["message"]
-    wait_for(no_leases, 60, "the prefill node's leases back to zero again")
 
     mn.start_node("decode")  # a new node; Serve places the decode replica there
 

@@ -107,3 +107,32 @@ def test_decode_reports_the_prompt_tokens_it_prefilled_itself_per_second():
     assert report() == pytest.approx(500 / sig.RATE_WINDOW_S)  # a rate over the short window
     c.now += sig.RATE_WINDOW_S + 1
     assert report() == 0.0
+
+
+def test_ingress_replicas_merge_into_the_quantiles_of_the_union_of_their_samples():
+    """Two ingress replicas: one fast (9 requests at 100 ms TTFT), one slow (one at
+    2000 ms). The union's p90 is 100 ms; the worst replica's p90 (2000) or the mean of
+    the two (1050) would both be wrong. Goodput is the union's too."""
+    fast, slow = (GatewaySignals(ttft_ms=1000, tpot_ms=100, clock=Clock()) for _ in range(2))
+    for _ in range(9):
+        fast.finished(0.1, 0.02, ok=True)
+    slow.finished(2.0, 0.02, ok=True)
+    merged = sig.merge_ingress_reports([fast.report(), slow.report()], quantile=0.9)
+    assert merged[sig.TTFT_MS] == pytest.approx(100.0, rel=0.05)
+    assert merged[sig.TPOT_MS] == pytest.approx(20.0, rel=0.05)
+    assert merged[sig.FINISHED] == 10 and merged[sig.GOODPUT] == pytest.approx(0.9)
+    # The tenth of the union above p90: the p95 is the slow request.
+    assert sig.merge_ingress_reports([fast.report(), slow.report()], quantile=0.95)[sig.TTFT_MS] == \
+        pytest.approx(2000.0, rel=0.05)
+    # Nothing finished anywhere: no tail, no goodput.
+    empty = sig.merge_ingress_reports([GatewaySignals(None, None, clock=Clock()).report()], quantile=0.9)
+    assert empty[sig.TTFT_MS] == -1.0 and empty[sig.GOODPUT] == -1.0 and empty[sig.FINISHED] == 0
+
+
+def test_latency_buckets_read_back_within_their_width():
+    b = sig.LatencyBuckets
+    for ms in (0.5, 1.0, 3.7, 95.0, 1234.0, 59_000.0):
+        counts = [0.0] * b.COUNT
+        counts[b.index(ms)] = 1.0
+        assert b.quantile_ms(counts, 0.5) == pytest.approx(ms, rel=b.RATIO - 1) or ms < b.LOW_MS
+    assert b.quantile_ms([0.0] * b.COUNT, 0.9) is None

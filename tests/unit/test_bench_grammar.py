@@ -1,12 +1,21 @@
-"""`duet bench grammar`'s own logic: its test documents are what it says they are, and
+"""The grammar study's own logic (scripts/experiments/grammar.py): its test documents are what it says they are, and
 the byte alphabet it gives outlines-core is GPT-2's. Runs no grammar library."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import jsonschema
 import pytest
 
-from bench import grammar
+_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "experiments" / "grammar.py"
+_spec = importlib.util.spec_from_file_location("grammar_study", _SCRIPT)
+assert _spec is not None and _spec.loader is not None
+grammar = importlib.util.module_from_spec(_spec)
+sys.modules["grammar_study"] = grammar
+_spec.loader.exec_module(grammar)
 
 pytestmark = pytest.mark.unit
 

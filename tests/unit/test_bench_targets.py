@@ -10,14 +10,28 @@ from cluster import cli
 pytestmark = pytest.mark.unit
 
 # The targets docs/benchmarks.md and the README name; none may go missing.
-DOCUMENTED = {"engine", "profile", "serve", "efficiency", "kv", "cluster", "routing", "tracing", "autoscale", "startup",
-              "grammar", "structured", "speculative", "disaggregation", "choices", "phases", "move",
-              "packing", "idle"}
+DOCUMENTED = {"engine", "serve", "efficiency", "kv", "cluster", "routing", "tracing", "autoscale", "startup",
+              "structured", "speculative", "disaggregation", "choices", "move"}
+# Studies, not tools an operator runs: scripts in scripts/experiments/, outside the package.
+STUDIES = ("profile", "idle", "grammar", "phases", "packing")
 
 
 def test_each_target_is_the_bench_module_of_its_name():
     assert set(cli.BENCH_TARGETS) == DOCUMENTED
     assert cli.BENCH_TARGETS == {name: f"bench.{name}" for name in cli.BENCH_TARGETS}
+
+
+@pytest.mark.parametrize("study", STUDIES)
+def test_a_study_is_a_script_with_its_own_flags(study):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "experiments" / f"{study}.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: scripts/experiments/{study}.py ")
+    assert study not in cli.BENCH_TARGETS
 
 
 @pytest.mark.parametrize("target", sorted(DOCUMENTED))

@@ -107,30 +107,26 @@ def test_a_prefill_engine_with_an_lmcache_tier_may_run_in_a_child():
     assert cfg.cache.enabled and cfg.prefill.engine_process  # the tier is built in the child
 
 
-def test_the_gateway_colocates_only_with_replicas_it_can_route_among():
-    assert load_config(overrides={"mode": "aggregated", "gateway.colocate": True}).gateway.colocate
-    # P/D: in the decode replicas, several of them and the KV-aware router (it places prefills).
-    assert load_config(overrides={"gateway.colocate": True, "decode.replicas": 2}).gateway.colocate
-    # The goodput policy reads latencies from the gateway's own deployment.
-    with pytest.raises(ConfigError, match="gateway.colocate: the goodput policy"):
-        load_config(overrides={"gateway.colocate": True, "decode.autoscaling": {"policy": "goodput"}})
+def test_the_ingress_replicas_are_chosen_by_the_kv_aware_router_only_behind_haproxy():
+    assert load_config().gateway.ingress == "haproxy"  # the default
+    # P/D: the gateway runs in each decode replica, with the goodput policy scaling the pools.
+    load_config(overrides={"decode.replicas": 2, "decode.autoscaling": {"policy": "goodput"}})
     # Serve's Python proxy picks the replica by load alone: the KV-aware router cannot.
     with pytest.raises(ConfigError, match="only behind gateway.ingress: haproxy"):
-        load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2})
+        load_config(overrides={"mode": "aggregated", "aggregated.replicas": 2, "gateway.ingress": "proxy"})
     with pytest.raises(ConfigError, match="only behind gateway.ingress: haproxy"):
-        load_config(overrides={"mode": "aggregated", "gateway.colocate": True,
+        load_config(overrides={"mode": "aggregated", "gateway.ingress": "proxy",
                                "aggregated.autoscaling": {"policy": "queue", "max_replicas": 3}})
     # HAProxy asks the ingress request router, which makes the KV-aware choice.
-    routed = load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2,
-                                    "gateway.ingress": "haproxy"})
-    assert routed.routes_at_ingress()
+    assert load_config(overrides={"mode": "aggregated", "aggregated.replicas": 2}).routes_at_ingress()
     # Whatever its size (a Serve config sizes the pool apart), unless the policy is default.
-    assert load_config(overrides={"mode": "aggregated", "gateway.colocate": True,
-                                  "gateway.ingress": "haproxy"}).routes_at_ingress()
-    assert not load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "gateway.ingress": "haproxy",
-                                      "router.policy": "default"}).routes_at_ingress()
-    assert load_config(overrides={"gateway.colocate": True, "gateway.ingress": "haproxy"}).routes_at_ingress()  # P/D
-    assert not load_config(overrides={"gateway.ingress": "haproxy"}).routes_at_ingress()  # a gateway of its own
-    two = load_config(overrides={"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2,
+    assert load_config(overrides={"mode": "aggregated"}).routes_at_ingress()
+    assert not load_config(overrides={"mode": "aggregated", "router.policy": "default"}).routes_at_ingress()
+    assert load_config().routes_at_ingress()  # P/D
+    assert not load_config(overrides={"gateway.ingress": "proxy"}).routes_at_ingress()
+    # The setting that chose between a gateway of its own and this one is gone.
+    with pytest.raises(ConfigError, match="gateway.colocate"):
+        load_config(overrides={"gateway.colocate": True})
+    two = load_config(overrides={"mode": "aggregated", "aggregated.replicas": 2, "gateway.ingress": "proxy",
                                  "router.policy": "default"})
     assert two.aggregated.replicas == 2

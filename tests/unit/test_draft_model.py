@@ -11,11 +11,10 @@ import pytest
 from engine_steps import run
 
 from bench.random_checkpoint import SHAPES, write_checkpoint, write_tokenizer
-from engine.config import ConfigError
+from engine.config import ConfigError, SpeculativeConfig
 from engine.draft_model import DraftModelProposer
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.speculative import SpeculativeConfig
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

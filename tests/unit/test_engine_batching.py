@@ -3,7 +3,8 @@ preemption and batching each give the same output as one request alone."""
 
 import pytest
 
-from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

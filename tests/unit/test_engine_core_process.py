@@ -20,7 +20,8 @@ import pytest
 from engine.async_engine import AsyncEngine, EngineDead
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient
-from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 
 pytestmark = pytest.mark.unit

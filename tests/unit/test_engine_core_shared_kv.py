@@ -19,8 +19,9 @@ from engine_steps import run
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient
 from engine.engine import ExportedKV, MovedSequence
+from engine.errors import InvalidRequest
 from engine.request import FinishReason, RequestOutput
-from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 
 pytestmark = pytest.mark.unit

@@ -1,7 +1,7 @@
-"""A gateway replica (one not colocated with an engine) and an ingress request router
-never load torch: importing their modules and loading the embedded model's tokenizer
-leave torch unimported. torch would cost each of them ~1.3 s of CPU at start and
-~200 MB of memory."""
+"""The ingress request router never loads torch, nor do the gateway's modules until a
+replica builds its engine: importing them and loading the embedded model's tokenizer
+leave torch unimported. torch would cost the router ~1.3 s of CPU at start and ~200 MB
+of memory on every node that runs HAProxy."""
 
 import subprocess
 import sys

@@ -11,7 +11,7 @@ from cluster.serve_cli import servers_up
 pytestmark = pytest.mark.unit
 
 # HAProxy's stats as CSV (columns 1, 2 and 18 of a real page; the rest left empty), a
-# second after a 2-replica colocated aggregated deploy: one replica's checks not settled.
+# second after a 2-replica aggregated deploy: one replica's checks not settled.
 STATS = "\n".join(",".join([px, sv, *[""] * 15, status]) for px, sv, status in [
     ("# pxname", "svname", "status"),
     ("http_frontend", "FRONTEND", "OPEN"),
@@ -25,12 +25,11 @@ STATS = "\n".join(",".join([px, sv, *[""] * 15, status]) for px, sv, status in [
 
 
 def test_the_replicas_haproxy_forwards_to_are_counted_once_each_and_only_when_up():
-    assert servers_up(STATS, "aggregated") == 2
-    assert servers_up(STATS, "decode") == 0
-    assert servers_up("", "aggregated") == 0
+    assert servers_up(STATS, "duet", "aggregated") == 2
+    assert servers_up(STATS, "duet", "decode") == 0
+    assert servers_up("", "duet", "aggregated") == 0
 
 
-def test_the_ingress_deployment_is_the_colocated_pool_or_the_gateway():
-    assert load_config(overrides={"mode": "aggregated", "gateway.colocate": True}).ingress_deployment() == "aggregated"
-    assert load_config(overrides={"gateway.colocate": True}).ingress_deployment() == "decode"
-    assert load_config().ingress_deployment() == "gateway"
+def test_the_ingress_deployment_is_the_pool_that_decodes():
+    assert load_config(overrides={"mode": "aggregated"}).ingress_deployment() == "aggregated"
+    assert load_config().ingress_deployment() == "decode"

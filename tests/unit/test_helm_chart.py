@@ -237,15 +237,16 @@ def test_worker_groups_offer_their_node_group_and_the_pools_fit(values):
         assert not text or (text[0] == text[-1] == "'")  # one shell word in KubeRay's `ray start` line
         assert group["rayStartParams"]["metrics-export-port"] == "8080"
 
-    # Each pool (and the gateway) fits its node group at its largest size.
+    # Each pool fits its node group at its largest size (the ingress pool's replicas
+    # with the gateway inside).
     cfg = cluster_config(values)
     need: dict[str, list[float]] = {}
     for pool in cfg.pools().values():
         n = pool.autoscaling.max_replicas if pool.scaling != "fixed" else pool.replicas
         cpus_gpus = need.setdefault(pool.node_group, [0.0, 0.0])
-        cpus_gpus[0] += n * pool.num_cpus
+        gateway = cfg.gateway.num_cpus if pool is cfg.pools()[cfg.ingress_deployment()] else 0.0
+        cpus_gpus[0] += n * (pool.num_cpus + gateway)
         cpus_gpus[1] += n * pool.num_gpus
-    need.setdefault(cfg.gateway.node_group, [0.0, 0.0])[0] += cfg.gateway.num_cpus
     for node_group, (cpus, gpus) in need.items():  # None: any pod
         holders = [(g, 1 if n == "head" else g["maxReplicas"]) for n, g in groups.items()
                    if node_group is None or node_group_resource(node_group) in ray_start_resources(g)]
@@ -354,8 +355,7 @@ def test_the_schema_rejects_bad_values_naming_them(values, message):
 @pytest.mark.parametrize(("values", "release", "message"), [
     (with_values(None, duet__prefill__node_group="gpu"), "duet",
      r'duet.prefill.node_group: "gpu" is not a node group of this release \(head.nodeGroups and workerGroups '
-     r"offer: gateway, decode, prefill\)"),
-    (with_values(None, duet__gateway__node_group="edge"), "duet", 'duet.gateway.node_group: "edge"'),
+     r"offer: decode, prefill\)"),
     (with_values(None, duet__gateway__host="127.0.0.1"), "duet", "duet.gateway.host"),
     (with_values(None, workerGroups__prefill__minReplicas=2), "duet", "workerGroups.prefill.minReplicas: 2"),
     (with_values(None, workerGroups__decode__maxReplicas=1, workerGroups__decode__replicas=2), "duet",
@@ -368,7 +368,7 @@ def test_the_schema_rejects_bad_values_naming_them(values, message):
     (with_values(None, apiKeys__keys=["k"]), "duet", "duet.gateway.api_keys_file"),
     (with_values(None, duet__gateway__api_keys_file="/etc/duet/api-keys/keys"), "duet",
      "duet.gateway.api_keys_file.*no keys"),
-], ids=["pool-node-group", "gateway-node-group", "gateway-host", "min-above-replicas", "max-below-replicas",
+], ids=["pool-node-group", "gateway-host", "min-above-replicas", "max-below-replicas",
         "profile-path", "redis-release", "cache-redis", "redis-both", "keys-unread", "keys-missing"])
 def test_templates_fail_on_values_that_do_not_fit_together(values, release, message):
     with pytest.raises(helm_python.HelmRenderError, match=message):
@@ -387,18 +387,19 @@ def test_a_default_worker_group_can_be_dropped():
     assert ray_pod_groups(render(values)).keys() == {"head", "prefill"}
 
 
-def test_the_haproxy_ingress_is_set_on_every_ray_pod():
-    """`gateway.ingress: haproxy` is a Ray cluster setting, read by every Ray process:
-    each pod's container gets it, beside the group's own env."""
+def test_the_haproxy_ingress_is_set_on_every_ray_pod_by_default():
+    """`gateway.ingress: haproxy` (the default) is a Ray cluster setting, read by every
+    Ray process: each pod's container gets it, beside the group's own env; with
+    `gateway.ingress: proxy`, none does."""
     haproxy = {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}
     body = {"name": "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY", "value": "1"}  # the ingress router reads it
-    values = with_values(None, duet__gateway__ingress="haproxy", head__env=[{"name": "A", "value": "b"}])
+    values = with_values(None, head__env=[{"name": "A", "value": "b"}])
     for name, group in ray_pod_groups(render(values)).items():
         env = group["template"]["spec"]["containers"][0]["env"]
         assert haproxy in env and body in env, name
         if name == "head":
             assert {"name": "A", "value": "b"} in env
-    for group in ray_pod_groups(render()).values():
+    for group in ray_pod_groups(render(with_values(None, duet__gateway__ingress="proxy"))).values():
         assert haproxy not in group["template"]["spec"]["containers"][0].get("env", [])
 
 

@@ -9,9 +9,11 @@ bench may import cluster, since its targets drive the composition root (they sta
 bring up namespace clusters); nothing else imports cluster; and nothing imports bench
 but cluster/cli.py, which dispatches `duet bench TARGET` to it. loadgen is a client
 and imports no server room, only the autoscaling room's pure policy code (the
-goodput policy and the placement rule: its simulators run the same code). Every
-import counts: lazy ones inside functions, and `importlib.import_module` of a
-constant name.
+goodput policy and the placement rule: its simulators run the same code). Inside a
+room, modules import each other without a circle, so each can be read (and loaded)
+after the ones it needs: `engine/config.py` imports no engine module. Every import
+counts: lazy ones inside functions, type-only ones, and `importlib.import_module` of
+a constant name.
 """
 
 from __future__ import annotations
@@ -89,6 +91,85 @@ def violations(root: Path) -> list[str]:
 
 def test_imports_run_one_way():
     assert violations(REPO) == []
+
+
+def _module_name(root: Path, path: Path) -> str:
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every module `path` may import: `imported_modules`, and `a.b` for each `from a
+    import b` (b may be a module)."""
+    names = {name for _, name in imported_modules(path)}
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def circles(root: Path) -> list[list[str]]:
+    """Each set of modules of one room that import each other round in a circle
+    (a strongly connected component of the room's import graph), sorted."""
+    found = []
+    for room in sorted({*LEVEL, *CLIENTS}):
+        paths = {_module_name(root, p): p for p in (root / room).rglob("*.py")}
+        graph = {m: sorted(t for t in _imported_names(p) if t in paths and t != m) for m, p in paths.items()}
+        found += [sorted(c) for c in _components(graph) if len(c) > 1]
+    return sorted(found)
+
+
+def _components(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components, iteratively (no recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        m = stack.pop()
+                        on_stack.discard(m)
+                        comp.append(m)
+                        if m == node:
+                            break
+                    out.append(comp)
+            elif nxt not in index:
+                index[nxt] = low[nxt] = len(index)
+                stack.append(nxt)
+                on_stack.add(nxt)
+                work.append((nxt, iter(graph[nxt])))
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+    return out
+
+
+def test_no_room_imports_in_a_circle():
+    assert circles(REPO) == []
+
+
+def test_the_check_sees_a_circle(tmp_path):
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "a.py").write_text("from engine.b import x\n")
+    (tmp_path / "engine" / "b.py").write_text("from typing import TYPE_CHECKING\n"
+                                              "if TYPE_CHECKING:\n    from engine import c\n")
+    (tmp_path / "engine" / "c.py").write_text("def f():\n    import engine.a\n")
+    (tmp_path / "engine" / "d.py").write_text("import engine.a\n")
+    assert circles(tmp_path) == [["engine.a", "engine.b", "engine.c"]]
 
 
 def test_the_check_sees_a_wrong_arrow(tmp_path):

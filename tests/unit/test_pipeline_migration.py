@@ -215,10 +215,20 @@ async def test_a_lost_prefill_replica_is_retried(make_engine, prompt, reference)
     outs = await collect(pipeline.disaggregated(
         prefill, pools(decode), request(prompt), timing, resilience=pipeline.Resilience(prefill_retries=1)))
     assert [t for o in outs for t in o.new_token_ids] == reference and timing.prefill_retries == 1
-    with pytest.raises(pipeline.UpstreamError, match="prefill failed"):
-        await collect(pipeline.disaggregated(
-            FakePrefill(make_engine(), die_times=2), pools(decode), request(prompt, "req2"), pipeline.Timing(),
-            resilience=pipeline.Resilience(prefill_retries=1)))
+
+
+async def test_with_no_prefill_replica_to_answer_the_pass_prefills_where_it_decodes(make_engine, prompt, reference):
+    """Every try found its prefill replica gone (a pool of one whose engine core is being
+    replaced, or no replica at all): the decode replica computes the prompt itself,
+    and the placement says why."""
+    prefill, decode = FakePrefill(make_engine(), die_times=2), FakeDecode(make_engine(), die_after=[])
+    placed: list[Placement] = []
+    outs = await collect(pipeline.disaggregated(
+        prefill, pools(decode), request(prompt, "req2"), pipeline.Timing(),
+        resilience=pipeline.Resilience(prefill_retries=1), placed=placed.append))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert len(prefill.calls) == 2 and isinstance(decode.requests[0], PrefillRequest)
+    assert placed[-1] == Placement(Where.LOCAL, "prefill_unavailable")
 
 
 async def test_kv_lost_with_its_prefill_replica_is_prefilled_again(make_engine, prompt, reference):
@@ -523,9 +533,9 @@ class Via:
 
 
 @pytest.mark.parametrize("where", ["remote", "local"])
-async def test_a_colocated_replica_decodes_the_first_pass_and_hands_a_drained_sequence_to_the_others(
+async def test_the_ingress_replica_decodes_the_first_pass_and_hands_a_drained_sequence_to_the_others(
         draining, make_engine, prompt, reference, where):
-    """`gateway.colocate` in P/D mode: the gateway's own decode engine takes the request
+    """P/D mode: the decode engine of the replica the gateway runs in takes the request
     (`DecodePools.first`); the sequence it hands on as it drains goes to the deployment."""
     prefill, decode = FakePrefill(make_engine()), draining(move_after=7)
     here, others = Via(decode), Via(decode)
@@ -539,7 +549,7 @@ async def test_a_colocated_replica_decodes_the_first_pass_and_hands_a_drained_se
     assert timing.moves == 1
 
 
-async def test_a_colocated_replica_whose_engine_is_lost_migrates_the_request_to_the_others(
+async def test_an_ingress_replica_whose_engine_is_lost_migrates_the_request_to_the_others(
         make_engine, prompt, reference):
     prefill = FakePrefill(make_engine())
     here, others = FakeDecode(make_engine(), die_after=[10]), FakeDecode(make_engine(), die_after=[])
@@ -552,7 +562,7 @@ async def test_a_colocated_replica_whose_engine_is_lost_migrates_the_request_to_
 
 
 async def test_a_remote_decode_pool_asks_for_its_handle_once_at_first_use(make_engine, prompt, reference):
-    """A colocated replica's way to the other decode replicas: the handle to its own
+    """A decode replica's way to the other decode replicas: the handle to its own
     deployment cannot be bound into the app, so it is asked for when first needed."""
     made = []
 
@@ -566,3 +576,20 @@ async def test_a_remote_decode_pool_asks_for_its_handle_once_at_first_use(make_e
         outs = [o async for batch in remote.generate(request(prompt, rid)) for o in batch]
         assert [t for o in outs for t in o.new_token_ids] == reference
     assert len(made) == 1 and len(made[0].requests) == 2
+
+
+async def test_the_decode_call_starts_while_the_first_token_goes_to_the_client(make_engine, prompt):
+    """The KV pull begins as soon as prefill answers, not when the client asks for the
+    chunk after the first token (a slow reader must not delay the handoff)."""
+    prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[])
+    stream = pipeline.disaggregated(prefill, pools(decode), request(prompt), pipeline.Timing())
+    try:
+        first = await stream.__anext__()
+        assert first[0].num_output_tokens == 1  # the prefill's token
+        for _ in range(100):  # a few turns of the event loop, nothing asked of the stream
+            if decode.requests:
+                break
+            await asyncio.sleep(0)
+        assert [type(r) for r in decode.requests] == [DecodeRequest]
+    finally:
+        await stream.aclose()

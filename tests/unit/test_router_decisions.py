@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from autoscaling.placement import DecodeSide
 from engine.hashing import block_hashes
 from engine.kv_events import BlockStored
 from engine.sampling_params import SamplingParams
@@ -215,11 +216,11 @@ def test_a_prompt_to_prefill_on_decode_goes_where_its_prefix_is():
     pr.metadata.call_method = "generate"
     ranked = asyncio.run(r.choose_replicas([holder, idle], pr))
     assert ranked[0][0].replica_id.unique_id == "a" and r.decisions["prefix"] == 1
-    assert asyncio.run(r.local_view(pr.args[0])) == (len(PREFIX), 4, True)
+    assert asyncio.run(r.local_view(pr.args[0])) == DecodeSide(len(PREFIX), 4, True)
     # A full holder is no place to compute it: the decode router's usual choice.
     full = decode_replica("a", kv_log=holding(PREFIX).window(), kv_blocks_free=2)
     r._sync([full, idle])
-    assert asyncio.run(r.local_view(pending(PREFIX + [4] * 20).args[0])) == (0, 0, True)
+    assert asyncio.run(r.local_view(pending(PREFIX + [4] * 20).args[0])) == DecodeSide(0, 0, True)
 
 
 def test_the_cluster_view_joins_both_routers():
@@ -325,3 +326,23 @@ def test_a_pick_only_choice_counts_as_load_until_the_replicas_reports_can_count_
         r._planned[rid] = p.__class__(p.key, p.request_id, p.tokens, p.counted, p.expires_at - 60)
     assert r._local("aggregated#a") == (0, 0) and r._local("aggregated#b") == (0, 0)
     assert pick([300] * 40) == "a"  # both idle again: the stable tie-break
+
+
+def test_a_replica_whose_engine_core_is_being_replaced_is_chosen_only_when_no_other_serves():
+    """Its report says `serving: false`: the prefix it held is no reason to go there
+    (the new engine's pool is empty, and a call fails until it is up)."""
+    r = router()
+    holder = replica("a", kv_log=holding(PREFIX).window(), serving=False)
+    other = replica("b")
+    r._sync([holder, other])
+    pr = pending(PREFIX + [5] * 8)
+    ranked = asyncio.run(r.choose_replicas([holder, other], pr))
+    assert [[x.replica_id.unique_id for x in rank] for rank in ranked] == [["b"]]
+    assert choose(r, [holder], PREFIX)[0] == "a"  # the only one: its caller fails fast and waits or retries
+    d = decode_router()
+    lost, live = decode_replica("a", serving=False), decode_replica("b", num_requests=9)
+    d._sync([lost, live])
+    call = pending(PREFIX)
+    call.metadata.call_method = "generate"
+    assert [[x.replica_id.unique_id for x in rank] for rank in asyncio.run(d.choose_replicas([lost, live], call))] \
+        == [["b"]]

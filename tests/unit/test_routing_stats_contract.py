@@ -20,8 +20,9 @@ ENGINE_STATS = EngineStats(queued_prefill_tokens=7, num_running=2, num_waiting=1
                            kv_blocks_total=16, request_ids=("a", "b"))
 
 
-def _fake_replica(**extra) -> SimpleNamespace:
-    return SimpleNamespace(aengine=SimpleNamespace(stats=ENGINE_STATS, model_fingerprint="fp"), **extra)
+def _fake_replica(serving: bool = True, **extra) -> SimpleNamespace:
+    return SimpleNamespace(aengine=SimpleNamespace(stats=ENGINE_STATS, model_fingerprint="fp"),
+                           restarts=SimpleNamespace(serving=serving), **extra)
 
 
 def test_decode_reports_what_the_decode_router_reads():
@@ -36,6 +37,14 @@ def test_prefill_reports_what_the_prefill_router_reads():
         PrefillServer.record_routing_stats(_fake_replica(events=SimpleNamespace(window=lambda: None))))
     assert stats.queued_prefill_tokens == 7 and stats.num_requests == 3
     assert (stats.kv_blocks_free, stats.kv_blocks_total, stats.model_fingerprint) == (10, 16, "fp")
+
+
+@pytest.mark.parametrize("server", [DecodeServer, PrefillServer])
+def test_a_replica_whose_engine_core_is_being_replaced_says_so(server):
+    stats = RoutingStats.from_wire(
+        server.record_routing_stats(_fake_replica(serving=False, events=SimpleNamespace(window=lambda: None))))
+    assert stats.serving is False
+    assert RoutingStats.from_wire({}).serving is True  # one that never said reads as serving
 
 
 def test_a_replica_that_has_not_reported_reads_as_idle_with_blocks_unknown():

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
+from engine.errors import InvalidRequest
 from engine.request import Request
 from engine.sampler import Sampler, apply_penalties, top_k_top_p_mask
-from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 

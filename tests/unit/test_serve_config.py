@@ -97,56 +97,57 @@ def test_the_serve_policy_reads_every_deployment_and_decides_the_goodput_pools()
     })
     kwargs = serve_config(cfg)["applications"][0]["autoscaling_policy"]["policy_kwargs"]
     policy = GoodputAutoscaler(**kwargs)  # the controller's view: no engine, no profile file
+    # Each decode replica is an ingress too: it reports its own pool's signals and the
+    # end-to-end ones of the requests it took, and the policy adds the arrivals up.
+    ingress = {sig.ARRIVAL_PROMPT_TOKENS_PER_S: 300.0, sig.ARRIVALS_PER_S: 0.5, sig.FINISHED: 0.0}
+    decode = {sig.RUNNING: 2.0, sig.KV_BLOCKS_USED: 10.0, sig.KV_BLOCKS_TOTAL: 100.0}
     contexts = {
-        "gw-id": _ctx("gateway", 1, {"g1": {sig.ARRIVAL_PROMPT_TOKENS_PER_S: 600.0, sig.ARRIVALS_PER_S: 1.0,
-                                            sig.FINISHED: 0.0}}),
         "p-id": _ctx("prefill", 1, {"p1": {sig.QUEUED_PROMPT_TOKENS: 0.0, sig.WAITING: 0.0}}),
-        "d-id": _ctx("decode", 1, {"d1": {sig.RUNNING: 2.0, sig.KV_BLOCKS_USED: 10.0, sig.KV_BLOCKS_TOTAL: 100.0}}),
+        "d-id": _ctx("decode", 2, {"d1": {**decode, **ingress}, "d2": {**decode, **ingress}}),
     }
     decisions, state = policy(contexts)
     # 600 prompt tokens/s against ~282 per replica at 80%: three prefill replicas; decode stays.
-    assert decisions == {"p-id": 3, "d-id": 1}
+    assert decisions == {"p-id": 3, "d-id": 2}
     assert state == {}
 
 
 def test_the_gateway_waits_for_a_decode_start_as_long_as_a_pull_may_take():
     from cluster.app import build_app
 
-    app = build_app(load_config(None, {"transfer.timeout_s": 30.0}))
+    app = build_app(load_config(None, {"transfer.timeout_s": 30.0, "router.policy": "default"}))
     assert app._bound_deployment.init_kwargs["transfer_timeout_s"] == 30.0  # Gateway's resilience reads it
 
 
-def test_a_colocated_gateway_is_the_aggregated_pool_itself():
+def test_the_gateway_is_the_aggregated_pool_itself():
     """One deployment, named and sized after the pool, whose replicas reserve the
     pool's CPU and the gateway's, and build an engine of the pool's config."""
     from cluster.app import build_app
 
-    cfg = load_config(None, {"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2,
+    cfg = load_config(None, {"mode": "aggregated", "aggregated.replicas": 2,
                              "router.policy": "default", "aggregated.threads": 2})
     assert serve_config(cfg)["applications"][0]["deployments"] == [{"name": "aggregated", "num_replicas": 2}]
     deployment = build_app(cfg)._bound_deployment
     assert deployment.name == "aggregated"
     assert deployment.ray_actor_options["num_cpus"] == cfg.aggregated.num_cpus + cfg.gateway.num_cpus
-    colocated = deployment.init_kwargs["colocated"]
-    assert colocated["threads"] == 2 and colocated["engine_process"] is True
-    assert colocated["engine"] == cfg.pool_engine(cfg.aggregated).model_dump()
+    server = deployment.init_kwargs["server"]
+    assert server["threads"] == 2 and server["engine_process"] is True
+    assert server["engine"] == cfg.pool_engine(cfg.aggregated).model_dump()
     assert "aggregated" not in deployment.init_kwargs  # no handle to another deployment
 
 
-def test_several_colocated_aggregated_replicas_behind_haproxy_are_chosen_by_the_ingress_request_router():
-    """The KV-aware choice among colocated replicas: the pool runs the aggregated
+def test_several_aggregated_replicas_behind_haproxy_are_chosen_by_the_ingress_request_router():
+    """The KV-aware choice among ingress replicas: the pool runs the aggregated
     router and publishes its KV events; an ingress request router, bound to the pool,
     renders prompts with the gateway's own settings."""
     from cluster.app import build_app
 
-    cfg = load_config(None, {"mode": "aggregated", "gateway.colocate": True, "aggregated.replicas": 2,
-                             "gateway.ingress": "haproxy"})
+    cfg = load_config(None, {"mode": "aggregated", "aggregated.replicas": 2})
     app = build_app(cfg)
     pool = app._bound_deployment
     assert pool.name == "aggregated"
     router_config = pool._deployment_config.request_router_config
     assert router_config.request_router_class.endswith("KVAwareAggregatedRouter")
-    assert pool.init_kwargs["colocated"]["prefix_index"]["prefix_index"] == cfg.router.prefix_index
+    assert pool.init_kwargs["server"]["prefix_index"]["prefix_index"] == cfg.router.prefix_index
     router = app._ingress_request_router._bound_deployment
     assert router.name == "ingress_router"
     assert router.init_kwargs["pool"] is app
@@ -156,21 +157,20 @@ def test_several_colocated_aggregated_replicas_behind_haproxy_are_chosen_by_the_
     # What Serve's build task gets: the size travels apart, the router still does.
     assert build_app(cluster_config_of(serve_config(cfg)))._ingress_request_router is not None
     # With Serve's default policy: no router, and HAProxy balances by load.
-    balanced = build_app(load_config(None, {"mode": "aggregated", "gateway.colocate": True,
-                                            "gateway.ingress": "haproxy", "router.policy": "default"}))
+    balanced = build_app(load_config(None, {"mode": "aggregated", "router.policy": "default"}))
     assert getattr(balanced, "_ingress_request_router", None) is None
-    assert "prefix_index" not in balanced._bound_deployment.init_kwargs["colocated"]
+    assert "prefix_index" not in balanced._bound_deployment.init_kwargs["server"]
     # No router to set the route header: a client's copy of it would pass HAProxy.
     assert balanced._bound_deployment.init_kwargs["ingress_routed"] is False
 
 
-def test_a_colocated_gateway_in_pd_mode_is_the_decode_pool_itself():
+def test_the_gateway_in_pd_mode_is_the_decode_pool_itself():
     """Two deployments: prefill, and decode whose replicas run the gateway too (with
     a handle to prefill, none to another decode deployment), reserve the pool's CPU
     and the gateway's, and drain as long as a decode replica's leases last."""
     from cluster.app import build_app
 
-    cfg = load_config(None, {"gateway.colocate": True, "decode.replicas": 2, "transfer.lease_ttl_s": 7.0})
+    cfg = load_config(None, {"decode.replicas": 2, "transfer.lease_ttl_s": 7.0, "gateway.ingress": "proxy"})
     names = [d["name"] for d in serve_config(cfg)["applications"][0]["deployments"]]
     assert sorted(names) == ["decode", "prefill"]
     deployment = build_app(cfg)._bound_deployment
@@ -178,12 +178,11 @@ def test_a_colocated_gateway_in_pd_mode_is_the_decode_pool_itself():
     assert deployment.ray_actor_options["num_cpus"] == cfg.decode.num_cpus + cfg.gateway.num_cpus
     assert deployment._deployment_config.graceful_shutdown_timeout_s >= 7.0 + 5
     kwargs = deployment.init_kwargs
-    assert kwargs["colocated"]["engine"] == cfg.pool_engine(cfg.decode).model_dump()
-    assert kwargs["colocated"]["transfer"] == cfg.transfer.model_dump()
+    assert kwargs["server"]["engine"] == cfg.pool_engine(cfg.decode).model_dump()
+    assert kwargs["server"]["transfer"] == cfg.transfer.model_dump()
     assert "decode" not in kwargs and kwargs["prefill"] is not None
     # Behind HAProxy the ingress request router chooses the decode replica, by the decode router.
-    routed = build_app(load_config(None, {"gateway.colocate": True, "decode.replicas": 2,
-                                          "gateway.ingress": "haproxy"}))
+    routed = build_app(load_config(None, {"decode.replicas": 2}))
     assert routed._bound_deployment.name == "decode"
     assert routed._bound_deployment._deployment_config.request_router_config.request_router_class.endswith(
         "KVAwareDecodeRouter")

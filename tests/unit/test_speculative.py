@@ -5,9 +5,10 @@ hits); seeded sampling must be reproducible; the rows that cannot speculate neve
 
 import pytest
 
+from engine.config import SpeculativeConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.speculative import NgramProposer, SpeculativeConfig, accepted_prefix, ngram_draft
+from engine.speculative import NgramProposer, accepted_prefix, ngram_draft
 from engine.structured import StructuredOutput
 
 pytestmark = pytest.mark.unit

@@ -10,8 +10,9 @@ import re
 
 import pytest
 
+from engine.errors import InvalidRequest
 from engine.request import FinishReason
-from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 
 pytestmark = pytest.mark.unit

@@ -100,7 +100,7 @@ the group's env sets it: the controller, on the head, reads it; no other process
 {{- if not $loopSet -}}
 {{- $env = append $env (dict "name" "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" "value" "0.25") -}}
 {{- end -}}
-{{- if eq (dig "gateway" "ingress" "proxy" .root.Values.duet) "haproxy" -}}
+{{- if eq (dig "gateway" "ingress" "haproxy" .root.Values.duet) "haproxy" -}}
 {{- $env = append $env (dict "name" "RAY_SERVE_ENABLE_HA_PROXY" "value" "1") -}}
 {{- /* the drain `duet serve` sets too (cluster/serve_cli.py HAPROXY_DRAIN_S) */ -}}
 {{- $env = append $env (dict "name" "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" "value" "5") -}}
@@ -197,11 +197,8 @@ value to change.
 {{- fail (printf "duet.%s.autoscaling.profile: %q is a file path; a release carries the profile inline ({prefill_model: {...}, decode_model: {...}}): no pod has the file" $name $pool.autoscaling.profile) }}
 {{- end }}
 {{- end }}
-{{- if and $gw.node_group (not (has $gw.node_group $groups)) }}
-{{- fail (printf "duet.gateway.node_group: %q is not a node group of this release (%s)" $gw.node_group $offered) }}
-{{- end }}
 {{- if not (has ($gw.host | default "127.0.0.1") (list "0.0.0.0" "::")) }}
-{{- fail (printf "duet.gateway.host: %q; set 0.0.0.0 so that the gateway Service reaches Serve's HTTP proxy" ($gw.host | default "127.0.0.1")) }}
+{{- fail (printf "duet.gateway.host: %q; set 0.0.0.0 so that the gateway Service reaches the ingress (HAProxy) on the Ray pods" ($gw.host | default "127.0.0.1")) }}
 {{- end }}
 {{- range $name, $g := .Values.workerGroups }}
 {{- $min := ternary $g.minReplicas $g.replicas (hasKey $g "minReplicas") }}

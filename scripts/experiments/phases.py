@@ -1,4 +1,4 @@
-"""`duet bench phases`: where one request's time goes, disaggregated against aggregated.
+"""`scripts/experiments/phases.py`: where one request's time goes, disaggregated against aggregated.
 
 Starts `duet serve` in each mode (alternating rounds, so drift on a shared machine
 hits both alike) with every span exported to a sink in this process, and sends
@@ -13,6 +13,11 @@ of all rounds. This is the measurement behind "disaggregation costs nothing at c
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, run as a script
 
 import argparse
 import json
@@ -139,7 +144,7 @@ def table(summary: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="duet bench phases")
+    p = argparse.ArgumentParser(prog="scripts/experiments/phases.py")
     p.add_argument("--json", default="out/bench_phases.json")
     p.add_argument("--config", default=None, help="cluster config file (default: the built-in defaults)")
     p.add_argument("--port", type=int, default=8073)
@@ -170,3 +175,7 @@ def main(argv: list[str] | None = None) -> int:
               "runs": {m: [{str(w): rows for w, rows in rnd.items()} for rnd in rounds] for m, rounds in runs.items()}}
     write_json(a.json, result)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

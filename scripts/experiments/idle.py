@@ -1,6 +1,6 @@
-"""`duet bench idle`: what a deployed cluster costs the machine while nobody calls it.
+"""`scripts/experiments/idle.py`: what a deployed cluster costs the machine while nobody calls it.
 
-    duet bench idle [--mode disaggregated|aggregated] [--requests 4] [--settle-s 10]
+    python scripts/experiments/idle.py [--mode disaggregated|aggregated] [--requests 4] [--settle-s 10]
                     [--seconds 30] [--json PATH]
 
 Deploys `duet serve`'s config (the README's layout; `--mode` picks the other), sends
@@ -14,6 +14,11 @@ engine core beside it.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, run as a script
 
 import argparse
 import json
@@ -87,7 +92,7 @@ def _complete(url: str, model: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="duet bench idle", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/experiments/idle.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=["disaggregated", "aggregated"], default=None,
                    help="default: the config's (duet serve's) mode")
     p.add_argument("--config", default=None, help="a cluster config file (default: the built-in one)")
@@ -118,3 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "core_share": shares, "total": sum(shares.values()),
     })
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

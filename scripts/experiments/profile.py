@@ -1,6 +1,6 @@
-"""`duet bench profile`: where one engine decode step's time goes.
+"""`scripts/experiments/profile.py`: where one engine decode step's time goes.
 
-    duet bench profile [--dtype float32] [--threads 2] [--batches 1 32] [--steps 16]
+    python scripts/experiments/profile.py [--dtype float32] [--threads 2] [--batches 1 32] [--steps 16]
                        [--prompt-len 32] [--decode-attention auto|native|torch] [--json PATH]
 
 For each batch size: that many sequences are prefilled and decoded to a steady state,
@@ -24,6 +24,11 @@ too, so its share is an upper bound.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, run as a script
 
 import argparse
 import functools
@@ -123,7 +128,7 @@ def profile_batch(engine: Engine, batch: int, steps: int, prompt_len: int = 32) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="duet bench profile", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="scripts/experiments/profile.py", description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])

@@ -1,4 +1,4 @@
-"""`duet bench packing`: one decode step's matrix products on the model's own
+"""`scripts/experiments/packing.py`: one decode step's matrix products on the model's own
 shapes (every layer's fused QKV, output, gate/up and down projections, and the LM
 head), fp32 on the CPU, with the weights as the engine keeps them plain (`x @ w`,
 MKL) against packed once for oneDNN (engine/quant.py `PackedWeight`), at several row
@@ -8,10 +8,15 @@ in a step; their values are random (the speed does not depend on them).
 Each figure is the best of `--repeats` passes over all the products, in ms per step.
 `PACKED_MAX_ROWS` in engine/quant.py is set from this table.
 
-    duet bench packing [--threads 1] [--rows 1 2 8 32 256] [--json PATH]
+    python scripts/experiments/packing.py [--threads 1] [--rows 1 2 8 32 256] [--json PATH]
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, run as a script
 
 import argparse
 import platform
@@ -67,7 +72,7 @@ def run(model: str, threads: int, rows: list[int], repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="duet bench packing", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/experiments/packing.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256])

@@ -1,7 +1,7 @@
-"""`duet bench grammar`: which grammar library structured outputs should be built on,
+"""`scripts/experiments/grammar.py`: which grammar library structured outputs should be built on,
 measured on this CPU with the served model's tokenizer.
 
-    duet bench grammar [--model smollm2-135m] [--runs 3] [--json out.json]
+    python scripts/experiments/grammar.py [--model smollm2-135m] [--runs 3] [--json out.json]
 
 For each library that is installed (xgrammar, llguidance, outlines-core; none is a
 dependency of duet yet) and each test schema:
@@ -21,6 +21,11 @@ Medians of `--runs`; prints a table and writes JSON with CPU flags and every run
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, run as a script
 
 import argparse
 import json
@@ -408,7 +413,7 @@ def table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="duet bench grammar", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/experiments/grammar.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--library", action="append", choices=list(BACKENDS),
@@ -422,3 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, report)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
