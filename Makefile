@@ -22,8 +22,9 @@ test: setup
 lint: setup
 	bash scripts/lint.sh
 
+# The pure-logic unit tests, under a minute; `-m model` the unit tests that run the model.
 test-unit: setup
-	$(PY) -m pytest -m unit -q -n 2
+	$(PY) -m pytest -m "unit and not model" -q -n 2 tests/unit
 
 bench: setup
 	$(VENV)/bin/duet bench engine --json out/bench_engine.json

@@ -27,7 +27,7 @@ the replica's own HTTP server; `--ingress proxy` puts Serve's Python proxy back,
 relays every chunk over Ray); the disaggregated mode 1 prefill + 1 decode replica
 whose engines lend each other idle cores (`engine.share_cores`), each with a team of
 up to `--prefill-threads` and `--decode-threads` (2 and 2;
-`--no-share-cores --prefill-threads 1 --decode-threads 1` is the pools' own default, a
+`--no-share-cores --prefill-threads 1 --decode-threads 1` was the pools' default until 2026-12-08, a
 core each, which left the decode engine on one thread while prefill's core idled:
 57-78% of aggregated against 79-118%, three rounds each), both engines in a child process
 (`--engine-thread` puts them back on a thread), the gateway inside the decode replica.

@@ -22,7 +22,8 @@ def run_loadgen(url: str, out: Path, args: list[str]) -> list[dict]:
 
 
 def summarize(point: dict) -> dict:
-    """One loadgen point as a row: counts, TTFT and TPOT p50/p99, output tokens/s."""
+    """One loadgen point as a row: counts, TTFT and TPOT p50/p99, time to the second
+    chunk p50, output tokens/s."""
     m = point["metrics"]
     return {
         "label": point.get("label", ""),
@@ -32,5 +33,6 @@ def summarize(point: dict) -> dict:
         "ttft_p99_ms": m["ttft_ms"]["p99"],
         "tpot_p50_ms": m["tpot_ms"]["median"],
         "tpot_p99_ms": m["tpot_ms"]["p99"],
+        "ttst_p50_ms": (m.get("ttst_ms") or {}).get("median"),
         "output_tok_s": m["output_throughput"],
     }

@@ -33,6 +33,7 @@ BENCH_TARGETS: dict[str, str] = {
     "disaggregation": "bench.disaggregation",
     "choices": "bench.choices",
     "move": "bench.move",
+    "faults": "bench.faults",
 }
 
 

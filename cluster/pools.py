@@ -51,7 +51,12 @@ class PoolConfig(BaseModel):
     replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, gt=0)
     num_gpus: float = Field(0.0, ge=0)
-    threads: int = Field(1, ge=1)
+    # The engine's thread team. None: every core the replica may run on (its CPU
+    # affinity); engine cores on one machine then lend each other the cores they are
+    # not using (engine.share_cores), so a prefill and a decode replica colocated on a
+    # few cores each get all of them when the other idles (the fastest layout measured
+    # on two cores, docs/benchmarks.md). On a node per replica it is the node's cores.
+    threads: int | None = Field(None, ge=1)
     # Run the replica's engine on the main thread of a child process it owns
     # (engine/core_process.py) instead of on a side thread of the replica. None: the
     # pool's default: on for the aggregated pool (measured faster,

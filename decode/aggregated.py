@@ -36,7 +36,7 @@ class AggregatedServer:
     a `PrefixIndexConfig` (where its KV events go; None: it publishes none), and
     `engine_process` the pool's setting of that name."""
 
-    def __init__(self, engine: dict, threads: int, telemetry: dict | None = None,
+    def __init__(self, engine: dict, threads: int | None, telemetry: dict | None = None,
                  prefix_index: dict | None = None, engine_process: bool = False):
         self.replica_id = replica_id()
         self._engine_cfg = EngineConfig.model_validate(engine)

@@ -85,7 +85,7 @@ class DecodeServer:
     pool's setting of that name.
     """
 
-    def __init__(self, engine: dict, threads: int, transfer: dict, prefix_index: dict | None = None,
+    def __init__(self, engine: dict, threads: int | None, transfer: dict, prefix_index: dict | None = None,
                  telemetry: dict | None = None, engine_process: bool | None = None):
         self.transfer = TransferConfig.model_validate(transfer)
         self.replica_id = replica_id()

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine.config import EngineConfig, Role
+from engine.core_share import team_size
 from engine.engine import Engine, MovedSequence
 from engine.external_kv import ExternalKVSpec, ManagedExternalKV
 from engine.kv_events import KVEvent
@@ -338,15 +339,16 @@ def _ends_stream(item: RequestOutput | BaseException) -> bool:
     return isinstance(item, BaseException) or item.error is not None or item.finished
 
 
-def start_engine(cfg: EngineConfig, role: Role, threads: int, kv_events: bool = False,
+def start_engine(cfg: EngineConfig, role: Role, threads: int | None, kv_events: bool = False,
                  external_kv: ExternalKVSpec | None = None) -> AsyncEngine:
     """A replica's engine on its own thread, warmed up: /ready means one request ran.
     `kv_events`: the replica publishes its KV events (`AsyncEngine.take_kv_events`);
     `external_kv`: the external KV cache to build and attach after the warm-up."""
     # Ray starts actors with OMP_NUM_THREADS=1; the pool's setting decides instead.
+    threads = team_size(threads)
     torch.set_num_threads(threads)
-    if cfg.share_cores:
-        log.warning("engine.share_cores: a %s engine on a thread keeps its %d threads (only engine core "
+    if cfg.share_cores and threads > 1:
+        log.info("engine.share_cores: a %s engine on a thread keeps its %d threads (only engine core "
                     "processes share cores)", role, threads)
     # Built on a thread that ends once it is built: in a process where another live
     # thread has run parallel torch ops (loading and packing the weights does), every

@@ -186,8 +186,8 @@ class EngineConfig(BaseModel):
     # An engine core process (a pool's `engine_process`) sizes its thread team before
     # each step to the cores that the other busy engine cores of this machine leave, up
     # to its pool's `threads` (engine/core_share.py): colocated pools lend each other
-    # the cores they are not using.
-    share_cores: bool = False
+    # the cores they are not using. An engine on a thread of its replica keeps its team.
+    share_cores: bool = True
 
     @model_validator(mode="after")
     def _limits(self) -> EngineConfig:

@@ -58,6 +58,7 @@ from engine.core_messages import (
     Stop,
     ToChild,
 )
+from engine.core_share import team_size
 from engine.engine import ExportedKV, MovedSequence
 from engine.external_kv import ExternalKVSpec
 from engine.kv_events import KVEvent
@@ -79,7 +80,7 @@ OnReply = Callable[[Any], Any]
 class EngineCoreClient:
     """Starts the engine core child, waits until it is warm, and talks to it."""
 
-    def __init__(self, cfg: EngineConfig, role: Role, threads: int, kv_events: bool = False,
+    def __init__(self, cfg: EngineConfig, role: Role, threads: int | None, kv_events: bool = False,
                  on_export: Callable[[ExportedKV], None] | None = None, external_kv: ExternalKVSpec | None = None,
                  on_lost: Callable[[BaseException], None] | None = None):
         """`on_export` (prefill): leases a finished request's pinned blocks, on the
@@ -91,6 +92,7 @@ class EngineCoreClient:
             raise ValueError("a prefill engine core needs on_export: its exports would never be leased")
         self._on_export = on_export
         self._on_lost = on_lost
+        threads = team_size(threads)
         ours, theirs = socket.socketpair()
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         env["PYTHONPATH"] = os.pathsep.join([_PROJECT_ROOT, *filter(None, [env.get("PYTHONPATH")])])

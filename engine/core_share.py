@@ -36,6 +36,34 @@ _SLOT = struct.Struct("qq")  # pid, monotonic ns when its current step started (
 BUSY_FOR_S = 2.0  # longer than any step: a busy mark older than this is stale
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup CPU
+    quota where one is set (a container limited to 4 CPUs on a 64-core node gets 4,
+    not 64: a team larger than the quota spends its time throttled at a barrier)."""
+    cores = len(os.sched_getaffinity(0))
+    quota = _cgroup_quota()
+    return cores if quota is None else max(1, min(cores, quota))
+
+
+def _cgroup_quota() -> int | None:
+    """The cgroup's CPU limit in whole cores, rounded up (v2, then v1); None: unlimited."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        return None if quota == "max" else -(-int(quota) // int(period))
+    except (OSError, ValueError):
+        pass
+    try:
+        v1 = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        return None if v1 <= 0 else -(-v1 // int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def team_size(threads: int | None) -> int:
+    """A pool's `threads` setting as a team size: None is every available core."""
+    return threads if threads is not None else available_cores()
+
+
 def table_path() -> Path:
     """One table per machine and user: every engine core of this user here shares its cores."""
     shm = Path("/dev/shm")
@@ -48,7 +76,7 @@ class CoreShare:
 
     def __init__(self, max_threads: int, path: Path | None = None, cores: int | None = None):
         self.max_threads = max_threads
-        self.cores = cores if cores is not None else len(os.sched_getaffinity(0))
+        self.cores = cores if cores is not None else available_cores()
         self.path = path or table_path()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:

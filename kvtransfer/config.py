@@ -19,8 +19,10 @@ class TransferConfig(BaseModel):
     lease_ttl_s: float = Field(DEFAULT_LEASE_TTL_S, gt=0)
     # Bound on one pull and on one control message.
     timeout_s: float = Field(10.0, gt=0)
-    # error: the request fails with a clear error; recompute: decode prefills it itself.
-    on_failure: Literal["error", "recompute"] = "error"
+    # recompute: decode prefills the prompt itself (a failed pull costs latency, not the
+    # request); error: the request fails with a clear error. A layout or backend
+    # mismatch is a configuration error and fails either way.
+    on_failure: Literal["error", "recompute"] = "recompute"
     # A decode replica that Serve drains (scale-down, rolling update) hands its
     # decoding sequences, KV and all, to the pool's other replicas; off: it finishes
     # them itself (the stopped replica lives until they end, up to drain_timeout_s).

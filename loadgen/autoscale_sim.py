@@ -32,7 +32,16 @@ import numpy as np
 from autoscaling.config import BudgetConfig, CapacityProfile, PoolAutoscaling, SLOConfig
 from autoscaling.placement import ClusterView
 from autoscaling.policy import GoodputPolicy, PoolPolicy, PoolState
-from autoscaling.signals import DecodeSignals, GatewaySignals, LoadSnapshot, PrefillSignals, ReplicaReport
+from autoscaling.signals import (
+    GOODPUT,
+    TTFT_MS,
+    DecodeSignals,
+    GatewaySignals,
+    LoadSnapshot,
+    PrefillSignals,
+    ReplicaReport,
+    merge_ingress_reports,
+)
 from loadgen.distributions import LengthDist
 from loadgen.simulator import DecodeModel, LocalPrefill, PrefillModel, view_of
 
@@ -47,6 +56,7 @@ class Request:
     done: float | None = None
     left: float = 0.0  # decode tokens still to make (fractional while stepping)
     prompt_left: float = 0.0  # prompt tokens a decode replica still has to prefill (local prefill)
+    ingress: Replica | None = None  # the decode replica that took it over HTTP (and decodes it)
 
 
 @dataclass
@@ -59,6 +69,9 @@ class Replica:
     busy_until: float = 0.0  # prefill: when the request at the head is done
     running: list = field(default_factory=list)  # decode: the batch
     signals: object = None
+    # Decode: its requests' latencies, as each ingress replica records them (the one
+    # topology: the decode replica is the HTTP ingress); the policy merges them.
+    ingress: GatewaySignals | None = None
 
     def empty(self) -> bool:
         return not self.queue and not self.running
@@ -141,8 +154,6 @@ class ClusterSim:
     def run(self, policy: SimPolicy, rate: Callable[[float], float], duration_s: float) -> SimRun:
         rng = np.random.default_rng(self.seed)
         self.now = 0.0
-        clock = lambda: self.now  # noqa: E731
-        self.gateway = GatewaySignals(self.slo.ttft_ms, self.slo.tpot_ms, self.slo.goodput_target, clock=clock)
         self.replicas: dict[str, list[Replica]] = {p: [] for p in ("prefill", "decode")}
         for pool, n in self.initial.items():
             for _ in range(n):
@@ -165,7 +176,8 @@ class ClusterSim:
                 r = Request(self.now + rng.uniform(0, self.dt), int(self.input_len.sample(rng, 1)[0]),
                             int(self.output_len.sample(rng, 1)[0]))
                 requests.append(r)
-                self.gateway.arrived(r.prompt)
+                r.ingress = self._pick_ingress()
+                r.ingress.ingress.arrived(r.prompt)
                 if self.local_prefill is not None and self.local_prefill.is_local(r.prompt, self._view()):
                     r.prompt_left = r.prompt
                     self._route_decode(r)
@@ -184,11 +196,11 @@ class ClusterSim:
                     self._resize(pool, n)
             if self.now >= next_sample:
                 next_sample += 1.0
+                ingress = self._ingress_report()
                 timeline.append({"t": round(self.now, 2), "rate": rate(self.now),
                                  **{f"{p}_replicas": self._target(p) for p in self.replicas},
-                                 "ttft_p90_ms": self.gateway.ttft.quantile(0.9)
-                                 and self.gateway.ttft.quantile(0.9) * 1e3,
-                                 "goodput": self.gateway.goodput()})
+                                 "ttft_p90_ms": ingress[TTFT_MS] if ingress[TTFT_MS] >= 0 else None,
+                                 "goodput": ingress[GOODPUT] if ingress[GOODPUT] >= 0 else None})
         return SimRun(policy.name, [r for r in requests if r.arrival < duration_s - 60 or r.done is not None],
                       timeline, actions, cost)
 
@@ -197,8 +209,24 @@ class ClusterSim:
         clock = lambda: self.now  # noqa: E731
         s = PrefillSignals(self.slo.goodput_target, clock=clock) if pool == "prefill" else \
             DecodeSignals(self.slo.goodput_target, clock=clock)
+        ingress = None if pool == "prefill" else \
+            GatewaySignals(self.slo.ttft_ms, self.slo.tpot_ms, self.slo.goodput_target, clock=clock)
         self.replicas[pool].append(Replica(pool, self.now, self.now if ready else self.now + self.cold_start_s,
-                                           signals=s))
+                                           signals=s, ingress=ingress))
+
+    def _pick_ingress(self) -> Replica:
+        """The decode replica a new request's connection goes to: the least busy ready
+        one (what the ingress request router and HAProxy do by load), or, while none
+        is ready, the least busy that is not draining."""
+        live = self._ready("decode") or [r for r in self.replicas["decode"] if not r.draining]
+        return min(live, key=lambda r: len(r.running) + len(r.queue))
+
+    def _ingress_report(self) -> dict[str, float]:
+        """The cluster's ingress view: every decode replica's own report, merged as the
+        Serve controller merges them (autoscaling/signals.py). A replica that drained
+        away takes its window with it."""
+        reports = [r.ingress.report() for r in self.replicas["decode"] if r.ingress is not None]
+        return merge_ingress_reports(reports, self.slo.goodput_target)
 
     def _target(self, pool: str) -> int:
         return sum(1 for r in self.replicas[pool] if not r.draining)
@@ -256,6 +284,11 @@ class ClusterSim:
         if req.left <= 0 and req.prompt_left <= 0:
             self._finish(req, req.first_token)
             return
+        # It decodes where it came in, unless that replica is draining (a scale-down
+        # moves its work to the pool's others).
+        if req.ingress is not None and not req.ingress.draining and req.ingress.ready_at <= self.now:
+            req.ingress.queue.append(req)
+            return
         ready = self._ready("decode")
         min(ready, key=lambda r: len(r.running) + len(r.queue)).queue.append(req)
 
@@ -306,7 +339,7 @@ class ClusterSim:
     def _finish(self, req: Request, at: float) -> None:
         req.done = at
         tpot = (req.done - req.first_token) / (req.output - 1) if req.output > 1 else None
-        self.gateway.finished(req.first_token - req.arrival, tpot, ok=True)
+        req.ingress.ingress.finished(req.first_token - req.arrival, tpot, ok=True)
 
     # ------------------------------------------------------------ decisions
     def _decide(self, policy: SimPolicy, goodput: GoodputPolicy | None, since: dict) -> dict[str, int]:
@@ -319,7 +352,7 @@ class ClusterSim:
             reports = tuple(ReplicaReport(f"{pool}{i}", self.now - r.ready_at, self._report(r))
                             for i, r in enumerate(self._ready(pool)))
             states[pool] = PoolState(self._target(pool), reports)
-        decisions = goodput.decide(self.now, states, self.gateway.report())
+        decisions = goodput.decide(self.now, states, self._ingress_report())
         return {p: d.desired for p, d in decisions.items()}
 
     def _report(self, r: Replica) -> dict[str, float]:

@@ -69,6 +69,12 @@ class RequestMetrics:
     e2el: float
     itls: tuple[float, ...]
 
+    @property
+    def ttst(self) -> float | None:
+        """Time to the second streamed chunk: TTFT plus the first gap, which in P/D
+        includes the KV handoff that follows the first token."""
+        return self.ttft + self.itls[0] if self.ttft is not None and self.itls else None
+
     def is_good(self, slo: SLO) -> bool:
         checks = (
             (slo.ttft_ms, self.ttft),
@@ -119,6 +125,7 @@ class BenchMetrics:
     tpot_ms: dict[str, float | None]
     itl_ms: dict[str, float | None]
     e2el_ms: dict[str, float | None]
+    ttst_ms: dict[str, float | None] = field(default_factory=dict)  # time to the second chunk
     slo: dict[str, float] = field(default_factory=dict)
     good: int | None = None
     goodput: float | None = None  # good requests / s
@@ -166,6 +173,7 @@ def compute_metrics(
         tpot_ms=summarize_ms([x.tpot for x in per if x.tpot is not None], percentiles),
         itl_ms=summarize_ms([g for x in per for g in x.itls], percentiles),
         e2el_ms=summarize_ms([x.e2el for x in per], percentiles),
+        ttst_ms=summarize_ms([t for x in per if (t := x.ttst) is not None], percentiles),
         errors=errors,
     )
     if slo is not None and not slo.empty:

@@ -79,7 +79,7 @@ class PrefillServer:
     """
 
     def __init__(
-        self, engine: dict, threads: int, transfer: dict, cache: dict, prefix_index: dict,
+        self, engine: dict, threads: int | None, transfer: dict, cache: dict, prefix_index: dict,
         telemetry: dict | None = None, engine_process: bool | None = None,
     ):
         self._engine_cfg = EngineConfig.model_validate(engine)

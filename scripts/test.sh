@@ -34,7 +34,10 @@ if [ -x scripts/redis.sh ]; then bash scripts/redis.sh start || echo "redis unav
 # machine shared with a busy process, the scheduler gives the suite a share of that
 # process's core only while three or more of the suite's threads are runnable: a stage
 # run alone would get one core. Their log is printed when they end.
-unit() { "$VENV/bin/python" -m pytest -m unit -q -p no:cacheprovider -n 2 --durations=8 tests/unit; }
+# unit: the pure logic (under a minute); model: the unit tests that run the real model,
+# an engine core child or another subprocess (tests/unit/conftest.py marks them).
+unit() { "$VENV/bin/python" -m pytest -m "unit and not model" -q -p no:cacheprovider -n 2 --durations=8 tests/unit; }
+model() { "$VENV/bin/python" -m pytest -m model -q -p no:cacheprovider -n 2 --durations=8 tests/unit; }
 E2E_NS=duet-e2e-$$
 e2e_netns_up() {
     [ "$(id -u)" = 0 ] && command -v ip >/dev/null || return 1
@@ -59,6 +62,7 @@ if e2e_netns_up; then e2e_beside=1; else e2e_netns_down; fi
 beside() {
     local rc=0
     stage unit unit || rc=1
+    stage model model || rc=1
     stage multinode "$VENV/bin/python" -m pytest -m multinode -q -p no:cacheprovider --durations=5 tests/multinode \
         || rc=1
     if [ "$e2e_beside" = 1 ]; then

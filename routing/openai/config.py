@@ -55,6 +55,10 @@ class GatewayConfig(BaseModel):
     max_migrations: int = Field(1, ge=0, le=8)
     # A prefill replica that dies before answering: try another one this many times.
     prefill_retries: int = Field(1, ge=0, le=8)
+    # A retry no prefill replica answers within this long (the pool has none left, and
+    # Serve would queue it until one is replaced: 10-20 s) is cancelled, and the decode
+    # replica prefills the prompt itself.
+    prefill_retry_wait_s: float = Field(3.0, gt=0)
     # Header fields and their total bytes per request (431 beyond).
     max_headers: int = Field(100, ge=8)
     max_header_bytes: int = Field(32 << 10, ge=1024)

@@ -167,7 +167,8 @@ class Gateway:
         self.signals = GatewaySignals(slo_cfg.ttft_ms, slo_cfg.tpot_ms, quantile=slo_cfg.goodput_target)
         self.keys = APIKeys.load(self.cfg.api_keys_file)
         self.resilience = pipeline.Resilience(self.cfg.max_migrations, self.cfg.prefill_retries,
-                                              pipeline.grace_after_lease(transfer_timeout_s))
+                                              pipeline.grace_after_lease(transfer_timeout_s),
+                                              self.cfg.prefill_retry_wait_s)
         self.placement = DisaggregationConfig.model_validate(disaggregation or {})
         self.admission = Admission(
             KeyLimiter(self.cfg.max_in_flight_per_key, self.cfg.tokens_per_minute_per_key),

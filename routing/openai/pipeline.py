@@ -125,6 +125,8 @@ class Resilience:
     max_migrations: int = 0
     prefill_retries: int = 0
     decode_start_grace_s: float = grace_after_lease(TransferConfig().timeout_s)
+    # How long a prefill retry may wait for an answer before the pass prefills locally.
+    prefill_retry_wait_s: float = 3.0
 
 
 class Outcome(StrEnum):
@@ -474,11 +476,21 @@ async def _first_batch(batches: AsyncIterator, timeout_s: float):
 
 
 async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resilience) -> PrefillResult:
-    """The prefill call, tried on another replica when the one it reached is gone."""
+    """The prefill call, tried on another replica when the one it reached is gone. A
+    retry that no replica answers within `prefill_retry_wait_s` (the pool has no live
+    replica: Serve queues the call until one is replaced) is cancelled, and the pass
+    prefills locally (`PrefillUnavailable`)."""
     for attempt in itertools.count():
         response = handle.prefill.remote(req)
         try:
-            return await response
+            if attempt == 0:
+                return await response
+            try:
+                return await asyncio.wait_for(_answer(response), resilience.prefill_retry_wait_s)
+            except TimeoutError:
+                response.cancel()  # the replica that takes it stops it, or withdraws its lease
+                raise PrefillUnavailable(f"no prefill replica answered the retry within "
+                                         f"{resilience.prefill_retry_wait_s:g} s") from None
         except asyncio.CancelledError:
             # A cancelled await leaves the Serve call running: the prefill replica would
             # finish the prompt and lease its KV to nobody (held until the lease's TTL).
@@ -490,9 +502,15 @@ async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resi
                 raise PrefillUnavailable(f"prefill failed: {_short(e)}") from e
             timing.prefill_retries += 1
             log.warning("request %s: prefill replica lost (%s); trying another", req.request_id, _short(e))
+        except PrefillUnavailable:
+            raise
         except Exception as e:
             raise UpstreamError(f"prefill failed: {_short(e)}") from e
     raise AssertionError("unreachable")
+
+
+async def _answer(response):
+    return await response
 
 
 def choices(run: Callable[[PrefillRequest], AsyncGenerator[list[RequestOutput], None]],

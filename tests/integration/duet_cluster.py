@@ -25,14 +25,19 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from cluster.config import ClusterConfig, load_config
+from cluster.faults import (  # noqa: F401  (the tests import them from here)
+    in_replica,
+    kill_engine_core,
+    kill_replica,
+    live_replicas,
+    replica_actor,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 log = logging.getLogger("duet.tests")
-T = TypeVar("T")
 APP_NAME = "duet"
 PORT = 8765
 BLOCK_SIZE = 16
@@ -514,67 +519,10 @@ def wait_idle(duet: Duet, timeout: float = 20.0) -> None:
         raise AssertionError(f"{e}; last stats: {detail}") from None
 
 
-_REPLICA_ACTOR_PREFIX = f"SERVE_REPLICA::{APP_NAME}#"  # + a replica id (`decode#abc`)
-
-
-def _replica_actor(replica_id: str):
-    """The Ray actor of one Serve replica (`decode#abc` → SERVE_REPLICA::duet#decode#abc)."""
-    import ray
-
-    return ray.get_actor(f"{_REPLICA_ACTOR_PREFIX}{replica_id}", namespace="serve")
-
-
-def kill_replica(replica_id: str) -> None:
-    """Kill one Serve replica's actor; Serve replaces it."""
-    import ray
-
-    ray.kill(_replica_actor(replica_id), no_restart=True)
-
-
-def kill_engine_core(replica_id: str) -> int:
-    """SIGKILL one Serve replica's engine core child (the replica stays); its pid."""
-    import signal
-
-    import ray
-
-    pid = ray.get(_replica_actor(replica_id).__ray_call__.remote(lambda _: os.getpid()), timeout=30)
-    cores = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:  # the parent pid is the 4th field after the command in parentheses
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == pid and b"engine.core_process" in (proc / "cmdline").read_bytes():
-                cores.append(int(proc.name))
-        except (OSError, IndexError, ValueError):  # a process that ended while we read it
-            continue
-    assert len(cores) == 1, f"replica {replica_id} (pid {pid}) has engine cores {cores}"
-    os.kill(cores[0], signal.SIGKILL)
-    return cores[0]
-
-
-def in_replica(replica_id: str, fn: Callable[[Any], T]) -> T:
-    """`fn(the replica's deployment instance)`, run in that replica's actor: a call
-    through a handle (or HTTP through the proxy) lands on any replica of the pool.
-    Reaches into Serve's replica actor (Ray 2.60's attribute names)."""
-    import ray
-
-    def call(actor) -> T:
-        return fn(actor._replica_impl._user_callable_wrapper.user_callable)
-
-    return ray.get(_replica_actor(replica_id).__ray_call__.remote(call), timeout=60)
-
-
 def engine_restarts(replica_id: str) -> dict[str, float]:
     """One replica's engine core restart counters (`CoreRestarts.stats`): of its pool
     server (the prefill deployment's instance, or the one inside a gateway)."""
     return in_replica(replica_id, lambda served: getattr(served, "local", served).restarts.stats())
-
-
-def live_replicas(pool: str) -> set[str]:
-    """Replica ids (`decode#abc`) of `pool` whose actors are alive."""
-    import ray
-
-    return {a["name"].removeprefix(_REPLICA_ACTOR_PREFIX) for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(f"{_REPLICA_ACTOR_PREFIX}{pool}#")}
 
 
 def wait_replicas(pool: str, n: int, timeout: float = 240, exact: bool = False) -> None:
@@ -683,7 +631,7 @@ def ongoing_requests(pool: str) -> dict[str, int]:
     replica, never the serving one)."""
     import ray
 
-    return {r: ray.get(_replica_actor(r).get_num_ongoing_requests.remote(), timeout=10) for r in live_replicas(pool)}
+    return {r: ray.get(replica_actor(r).get_num_ongoing_requests.remote(), timeout=10) for r in live_replicas(pool)}
 
 
 def serving_replica(pool: str) -> str | None:

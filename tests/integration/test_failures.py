@@ -1,7 +1,9 @@
 """Failure paths on a real cluster: client disconnects, many concurrent streams, and
 replicas killed mid-request past the gateway's limits (this cluster allows no
-migration and no prefill retry: the client gets a clear error; surviving a lost
-replica is tests/integration/test_replica_loss.py). Nothing hangs and no KV block leaks."""
+migration and no prefill retry: a stream whose decode replica, its ingress, dies gets
+a clear error; a request whose only prefill replica dies is prefilled where it
+decodes; surviving a lost replica is tests/integration/test_replica_loss.py). Nothing
+hangs and no KV block leaks."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from duet_cluster import kill_replica, live_replicas, wait_for, wait_idle
+from duet_cluster import gateway_counter, kill_replica, live_replicas, wait_for, wait_idle
 
 from engine.tokenizer import load_tokenizer
 from engine.weights import SMOLLM2_ID
@@ -156,13 +158,15 @@ def test_decode_replica_killed_mid_stream(duet):
     wait_idle(duet, timeout=30)
 
 
-def test_prefill_replica_killed_mid_request(duet):
+def test_a_request_whose_only_prefill_replica_dies_is_prefilled_where_it_decodes(duet):
     wait_idle(duet)
     # ~1000 tokens: two 512-token prefill chunks, a window of a second or more.
     text = f"[{uuid.uuid4().hex}] " + " ".join(f"w{i}" for i in range(1000))
     prompt = load_tokenizer(duet.cfg.engine.model).encode(text)[:1000]
     p0 = duet.stats("prefill")
-    t, out = _stream_in_thread(duet, prompt=prompt, max_tokens=8)
+    local0 = gateway_counter(duet, "duet_disaggregation_decisions_total", where="local", reason="prefill_unavailable")
+    t, out = _stream_in_thread(duet, prompt=prompt, max_tokens=8, extra_body={"ignore_eos": True})
+
     def in_prefill() -> bool:
         s = duet.stats("prefill")
         assert s["leases_granted"] == p0["leases_granted"], "prefill finished before the kill"
@@ -173,7 +177,11 @@ def test_prefill_replica_killed_mid_request(duet):
     kill_replica(name)
     t.join(CLIENT_TIMEOUT + 10)
     assert not t.is_alive(), "the client hung after its prefill replica died"
-    assert not out["done"] and isinstance(out["error"], openai.APIError), out
+    # No retry is allowed and no other prefill replica exists: the decode replica
+    # computed the prompt itself, and says so.
+    assert out["done"] and out["error"] is None and out["chunks"] == 8, out
+    assert gateway_counter(duet, "duet_disaggregation_decisions_total", where="local",
+                           reason="prefill_unavailable") == local0 + 1
 
     wait_replaced(duet, "prefill", name)
     r = client(duet, timeout=120).completions.create(model=SMOLLM2_ID, prompt="Hello", max_tokens=4, temperature=0)

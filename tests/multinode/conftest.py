@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 
 import pytest
-from mn_cluster import REDIS_PORT, REPO
+from mn_cluster import CHAT, MAX_TOKENS, REDIS_PORT, REPO
 from sse import data_events
 
 from cluster import netns
@@ -45,10 +45,6 @@ def mn_redis(mn, tmp_path_factory):
         pytest.fail(f"Redis did not start on {mn.bridge_ip}:{REDIS_PORT}: {out.stdout}{out.stderr}")
     yield f"redis://{mn.bridge_ip}:{REDIS_PORT}"
     subprocess.run(script + ["stop"], env=env, capture_output=True, timeout=60)
-
-
-CHAT = "What is the capital of France?"
-MAX_TOKENS = 24
 
 
 @dataclass(frozen=True)

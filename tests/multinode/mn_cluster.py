@@ -14,6 +14,9 @@ import httpx
 
 from cluster import netns
 
+# The greedy chat every multinode test checks against the single-process engine.
+CHAT = "What is the capital of France?"
+MAX_TOKENS = 24
 REPO = Path(__file__).resolve().parents[2]
 HTTP_PORT = 8000
 REDIS_PORT = 6396

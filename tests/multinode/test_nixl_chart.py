@@ -5,22 +5,38 @@ NIXL backend over UCX's TCP transport.
 Greedy output equals the single-process engine's; each pool runs on its own node and
 the transfer is counted there (each node's own metrics agent); the prefix index and
 the KV tier live in a Redis reached over the bridge; HTTP enters through the head's
-HAProxy, which forwards it to the decode replica (the gateway runs inside it). Then the
-decode node is killed mid-stream: the stream ends (the connection to its ingress
-replica is gone) and never hangs, the prefill node's leases go back to zero, and once
-the node is back the cluster serves exactly again.
+HAProxy, which forwards it to the decode replica (the gateway runs inside it). An engine
+core child killed on the decode node mid-stream, then on the prefill node, costs no
+request (each replica starts a new one in place). Then the decode node is killed
+mid-stream: the stream ends (the connection to its ingress replica is gone) and never
+hangs, the prefill node's leases go back to zero, and once the node is back the
+cluster serves exactly again.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+from pathlib import Path
 
 import httpx
 import pytest
 import redis
 import yaml
-from mn_cluster import BYTES_PER_BLOCK, DuetServe, cluster_config, complete_unique, scrape, settled, total, wait_for
+from mn_cluster import (
+    BYTES_PER_BLOCK,
+    CHAT,
+    MAX_TOKENS,
+    DuetServe,
+    cluster_config,
+    complete_unique,
+    scrape,
+    settled,
+    total,
+    wait_for,
+)
 
 from cluster.serve_config import serve_config
 
@@ -100,6 +116,48 @@ def test_prefix_index_and_kv_tier_are_in_the_bridge_redis(duet, mn_redis, chat):
     chat(duet.url, content="A prompt long enough to fill more than one KV block for the tier to store " * 3)
     index, tier = (redis.Redis.from_url(f"{mn_redis}/{db}") for db in (0, 1))
     wait_for(lambda: index.dbsize() > 0 and tier.dbsize() > 0, 30, "prefix index and LMCache keys in Redis")
+
+
+def _kill_engine_core(mn, node: str) -> int:
+    """SIGKILL the engine core child (engine/core_process.py) running on `node`."""
+    cores = [pid for pid in mn.pids(node) if b"engine.core_process" in _cmdline(pid)]
+    assert len(cores) == 1, f"engine cores on {node}: {cores}"
+    os.kill(cores[0], signal.SIGKILL)
+    return cores[0]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # it ended while we looked
+        return b""
+
+
+def test_an_engine_core_killed_on_either_node_costs_no_request(duet, mn, reference, chat):
+    """The decode node's engine core dies mid-stream: the replica starts a new one in
+    place and the stream ends with the exact answer; then the prefill node's: the next
+    request is exact too (decode prefills locally, or waits for the new core)."""
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": CHAT}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    text, done, killed = "", False, None
+    with httpx.stream("POST", f"{duet.url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            text += "".join(c["delta"].get("content") or "" for c in event.get("choices", []))
+            if killed is None and text:
+                killed = _kill_engine_core(mn, "decode")
+    assert killed is not None and done and text == reference.text
+
+    _kill_engine_core(mn, "prefill")
+    assert chat(duet.url, timeout=120)[0] == reference.text
+    assert chat(duet.url, stream=True, timeout=120)[0] == reference.text
 
 
 def test_losing_the_decode_node_mid_stream_errors_and_the_cluster_recovers(duet, mn, reference, chat):

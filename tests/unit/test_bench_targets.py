@@ -11,7 +11,7 @@ pytestmark = pytest.mark.unit
 
 # The targets docs/benchmarks.md and the README name; none may go missing.
 DOCUMENTED = {"engine", "serve", "efficiency", "kv", "cluster", "routing", "tracing", "autoscale", "startup",
-              "structured", "speculative", "disaggregation", "choices", "move"}
+              "structured", "speculative", "disaggregation", "choices", "move", "faults"}
 # Studies, not tools an operator runs: scripts in scripts/experiments/, outside the package.
 STUDIES = ("profile", "idle", "grammar", "phases", "packing")
 
@@ -21,6 +21,7 @@ def test_each_target_is_the_bench_module_of_its_name():
     assert cli.BENCH_TARGETS == {name: f"bench.{name}" for name in cli.BENCH_TARGETS}
 
 
+@pytest.mark.model  # a Python process per study
 @pytest.mark.parametrize("study", STUDIES)
 def test_a_study_is_a_script_with_its_own_flags(study):
     import subprocess

@@ -24,7 +24,7 @@ from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.model]
 
 CFG = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=512)
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

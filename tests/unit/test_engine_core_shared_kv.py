@@ -24,7 +24,7 @@ from engine.request import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.model]
 
 CFG = EngineConfig(dtype="float32", device="cpu", num_kv_blocks=512)
 PROMPT = [{"role": "user", "content": "Write three sentences about the sea."}]

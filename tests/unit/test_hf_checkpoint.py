@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutput
 from engine.weights import Checkpoint, _hf_config
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.model]
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 PROMPT = "The history of the city of Paris spans more than two thousand years. " * 4

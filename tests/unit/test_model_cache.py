@@ -16,6 +16,8 @@ from engine.tokenizer import Tokenizer
 from engine.weights import load_checkpoint, resolve_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
+# Real GGUF loads and Python subprocesses.
+pytestmark = pytest.mark.model
 
 
 @pytest.fixture

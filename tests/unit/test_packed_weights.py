@@ -12,7 +12,7 @@ from engine.engine import Engine
 from engine.quant import PackedWeight, keeps_dense_copy, matmul, packs_weights
 from engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.model]
 
 
 @pytest.mark.parametrize("keep_dense", [True, False])

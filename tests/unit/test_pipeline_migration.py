@@ -63,8 +63,11 @@ class _Response:
 class FakePrefill:
     """`prefill.remote(PrefillRequest)`: the engine computes the prompt and samples one token."""
 
-    def __init__(self, engine, die_times: int = 0, lease_s: float = 30.0):
+    def __init__(self, engine, die_times: int = 0, lease_s: float = 30.0, then_queue: bool = False):
+        """`then_queue`: after its deaths, a call is never answered (Serve queues it
+        while the pool has no live replica)."""
         self.engine, self.die_times, self.calls, self.lease_s = engine, die_times, [], lease_s
+        self.then_queue = then_queue
         self.responses: list[_Response] = []
         self.prefill = _Remote(self._call)
 
@@ -78,6 +81,8 @@ class FakePrefill:
         if self.die_times:
             self.die_times -= 1
             raise ActorDiedError()
+        if self.then_queue:
+            await asyncio.Event().wait()
         self.engine.add_request(list(prompt_ids), SamplingParams(**{**vars(sp), "max_tokens": 1}),
                                 request_id=request_id)
         out = None
@@ -228,6 +233,20 @@ async def test_with_no_prefill_replica_to_answer_the_pass_prefills_where_it_deco
         resilience=pipeline.Resilience(prefill_retries=1), placed=placed.append))
     assert [t for o in outs for t in o.new_token_ids] == reference
     assert len(prefill.calls) == 2 and isinstance(decode.requests[0], PrefillRequest)
+    assert placed[-1] == Placement(Where.LOCAL, "prefill_unavailable")
+
+
+async def test_a_retry_no_prefill_replica_answers_is_prefilled_where_it_decodes(make_engine, prompt, reference):
+    """The pool's only replica died and Serve queues the retry until a new one starts:
+    past `prefill_retry_wait_s` the retry is cancelled and decode computes the prompt."""
+    prefill = FakePrefill(make_engine(), die_times=1, then_queue=True)
+    decode = FakeDecode(make_engine(), die_after=[])
+    placed: list[Placement] = []
+    outs = await collect(pipeline.disaggregated(
+        prefill, pools(decode), request(prompt, "req3"), pipeline.Timing(),
+        resilience=pipeline.Resilience(prefill_retries=1, prefill_retry_wait_s=0.2), placed=placed.append))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert len(prefill.calls) == 2 and prefill.responses[1].cancelled
     assert placed[-1] == Placement(Where.LOCAL, "prefill_unavailable")
 
 
