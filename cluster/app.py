@@ -29,8 +29,8 @@ SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_R
              "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 # Serve's controller runs its control loop every 0.25 s rather than every 0.1 s. On a
 # node where an engine fills the cores, every share of a core that another process
-# takes costs the engine up to that share of its speed (docs/benchmarks.md, "What the
-# serving stack's CPU costs the engine"); the loop, with the GCS calls it makes, took
+# takes costs the engine up to that share of its speed (docs/benchmarks.md, "Serving
+# efficiency"); the loop, with the GCS calls it makes, took
 # ~5% of a core at 0.1 s and ~2.7% at 0.25 s. The loop is also when the controller
 # gathers the replicas' routing stats (`router.stats_period_s`, 0.25 s): they now reach
 # the routers every 0.25-0.5 s instead of every ~0.3 s, and up to 0.15 s later; each

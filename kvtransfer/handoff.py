@@ -343,8 +343,8 @@ class KVImporter:
     `import_kv` checks the handle, reserves blocks (waiting, within what is left of
     the lease, for running sequences to free some), pulls, and releases the lease, or
     rejects it on any failure so prefill frees at once. It returns an `ImportedKV`, or
-    raises `ImportFailed` (with `recompute_on_failure`, a failure other than a
-    mismatch returns an `ImportedKV` with no blocks instead). A caller cancelled
+    raises `ImportFailed` (with `recompute_on_failure`, a failed pull or an expired
+    lease returns an `ImportedKV` with no blocks instead: decode computes the prompt). A caller cancelled
     mid-import does not cut the pull short (a pull in its thread writes into the
     reserved blocks): the import ends on its own and its blocks are freed then.
     """
@@ -446,7 +446,7 @@ class KVImporter:
         tracing.set_attributes(span, {"duet.transfer.result": _result(reason), "duet.transfer.error": detail[:300]})
         self._count("import_rejects" if reason == RejectReason.NO_FREE_BLOCKS else "import_failures")
         await asyncio.to_thread(reject_lease, handle, reason, self.timeout_s)
-        if self.recompute_on_failure and reason not in _NEVER_RECOMPUTE:
+        if self.recompute_on_failure and reason in _RECOMPUTABLE:
             self._count("import_recomputes")
             log.warning("recomputing %s after failed import: %s", handle.request_id, detail)
             return self._hold(handle.request_id, None)
@@ -520,7 +520,10 @@ async def reserve_when_free(
 
 
 # A mismatch is a deployment error: recomputing would hide it (docs/ARCHITECTURE.md).
-_NEVER_RECOMPUTE = (RejectReason.LAYOUT_MISMATCH, RejectReason.BACKEND_MISMATCH, RejectReason.PEER_MISMATCH)
+# Only a prompt's KV lost on the way is recomputed here: a mismatch is a configuration
+# error, and a decode replica without free blocks for the KV has none to compute it in
+# either (that is a capacity error, which the gateway answers as one).
+_RECOMPUTABLE = (RejectReason.TRANSFER_FAILED, RejectReason.LEASE_EXPIRED)
 
 
 def _discard_result(task: asyncio.Future) -> None:

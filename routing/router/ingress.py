@@ -98,7 +98,7 @@ router_app = FastAPI()
 @serve.ingress(router_app)
 class IngressRouter:
     """Answers HAProxy's `POST /internal/route` with the replica of `pool` (the
-    colocated deployment's handle) that should take the request."""
+    ingress deployment's handle: decode, or aggregated) that should take the request."""
 
     def __init__(self, pool: DeploymentHandle, engine: dict, gateway: dict):
         """`engine` and `gateway` are the dumped `EngineConfig` and `GatewayConfig` the

@@ -1,4 +1,4 @@
-"""Experiment (docs/benchmarks.md, "Tried, and kept out"): torch.compile (Inductor CPU)
+"""Experiment (docs/benchmarks.md, "What we tried"): torch.compile (Inductor CPU)
 of the dense halves of each layer, against the eager forward, in one process.
 
     .venv/bin/python scripts/experiments/compile_layers.py float32|bfloat16

@@ -1,8 +1,8 @@
 """What the ingress request router (routing/router/ingress.py) costs and what it buys.
 
-Serves the aggregated pool colocated behind HAProxy (`duet serve --ingress
-haproxy`) in four setups, each on a fresh cluster started as `duet serve` starts it
-(`serve_cli.start`), and drives each with `duet bench serve` in its own process:
+Serves the aggregated pool behind HAProxy (`duet serve --mode aggregated`) in four
+setups, each on a fresh cluster started as `duet serve` starts it (`serve_cli.start`),
+and drives each with `duet bench serve` in its own process:
 
 - `one-balanced` / `one-routed`: one replica (two engine threads), `router.policy:
   default` (no router) against `kv_aware` (HAProxy asks the router first, with

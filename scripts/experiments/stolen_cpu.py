@@ -10,8 +10,8 @@ the engine's wall time).
 
 An OpenMP team's thread that loses its core for a moment holds up its parallel region:
 its partner waits at the barrier. So an engine whose team fills the cores loses between
-about half the share taken and all of it (docs/benchmarks.md, "What the serving stack's
-CPU costs the engine"), though the other process takes a share of only one of the two
+about half the share taken and all of it (docs/benchmarks.md, "Serving
+efficiency"), though the other process takes a share of only one of the two
 cores. `--threads 1` leaves a core free for it. `--burner-nice 19`
 shows what priority does: the other process then gets little of the CPU it asks for,
 which the processes that carry a server's tokens to its clients cannot do without.
