@@ -127,6 +127,9 @@ def soak(url: str, plan: SoakPlan, fault: Case | None) -> dict:
         "latency_p50_s": statistics.median(seconds) if seconds else None,
         "latency_max_s": max(seconds) if seconds else None,
         "failures": failures[:20],
+        "fault_started_s": report.faults[0].started_s if report.faults else None,
+        # Every request: when it started (since the run began), how long it took, how it ended.
+        "requests_s": [(round(r.started_s, 2), round(r.seconds, 2), r.outcome, r.stream) for r in runner.results],
     }
 
 

@@ -355,7 +355,8 @@ class Gateway:
                 return pipeline.aggregated(self.aggregated, req)
             assert self.decode is not None
             return pipeline.disaggregated(self.prefill, self.decode, req, record.timing, self.resilience,
-                                          self.placement, record.placed, self._cluster_view)
+                                          self.placement, record.placed, self._cluster_view,
+                                          lambda: router_view.has_replicas("prefill") is not False)
 
         reqs = [call.to_pool(record.trace, i) for i in range(call.n)]
         if call.n == 1:

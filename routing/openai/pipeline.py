@@ -153,13 +153,17 @@ async def disaggregated(
     prefill_handle, decode: DecodePools, req: PrefillRequest, timing: Timing, resilience: Resilience = Resilience(),
     placement: DisaggregationConfig = _ALWAYS, placed: Callable[[Placement], None] | None = None,
     cluster_view: Callable[[PrefillRequest], Awaitable[ClusterView | None]] | None = None,
+    prefill_reachable: Callable[[], bool] | None = None,
 ) -> AsyncIterator[list[RequestOutput]]:
     """The request's output batches across as many passes as replica losses need: each
     pass continues from every token the client has been sent (`req.session_id` is the
     prefill router's hint, `req.trace` the context both pools continue). The first pass
     decodes on `decode.first`, every later one (and a sequence a draining replica hands
     on) on `decode.elsewhere`. Each pass is placed by `placement`'s rule (priced from
-    `cluster_view`, what the routers know, under `auto`), and `placed` is told where."""
+    `cluster_view`, what the routers know, under `auto`), and `placed` is told where.
+    A pass bound for the prefill pool while `prefill_reachable()` says it has no live
+    replica (every one died, and Serve would queue the call until one is replaced)
+    prefills where it decodes instead (`prefill_unavailable`)."""
     view = _ClientView(req.request_id, req.num_prompt_tokens)
     generated: list[int] = []  # every token streamed so far, across passes
     for hop in itertools.count():
@@ -183,12 +187,14 @@ async def disaggregated(
         else:
             seen = await _view(cluster_view, sub) if placement.mode == "auto" else None
             decision = choose_placement(sub.num_prompt_tokens, placement, seen)
+            if decision.where is Where.REMOTE and prefill_reachable is not None and not prefill_reachable():
+                decision = Placement(Where.LOCAL, "prefill_unavailable")
             if placed is not None:
                 placed(decision)
             if decision.where is Where.LOCAL:
                 one = _LocalPass(pools, sub, timing, resilience)
             else:
-                one = _Pass(prefill_handle, pools, sub, timing, resilience, placed)
+                one = _Pass(prefill_handle, pools, sub, timing, resilience, placed, prefill_reachable)
         base = len(generated)
         outcome = Outcome.DONE
         # Closed with us (aclosing), so a client that leaves cancels the decode call and
@@ -384,14 +390,15 @@ class _Pass:
     `UpstreamError`."""
 
     def __init__(self, prefill_handle, pools: DecodePools, req: PrefillRequest, timing: Timing,
-                 resilience: Resilience, placed: Callable[[Placement], None] | None = None):
+                 resilience: Resilience, placed: Callable[[Placement], None] | None = None,
+                 reachable: Callable[[], bool] | None = None):
         self.prefill, self.req, self.timing, self.resilience = prefill_handle, req, timing, resilience
-        self.pools, self.placed = pools, placed
+        self.pools, self.placed, self.reachable = pools, placed, reachable
         self.decoding = _Decoding(pools, req, timing, resilience)
 
     async def run(self) -> AsyncGenerator[PassItem, None]:
         try:
-            result = await _prefill(self.prefill, self.req, self.timing, self.resilience)
+            result = await _prefill(self.prefill, self.req, self.timing, self.resilience, self.reachable)
         except PrefillUnavailable as e:
             log.warning("request %s: %s; prefilling where it decodes", self.req.request_id, e)
             if self.placed is not None:
@@ -475,22 +482,17 @@ async def _first_batch(batches: AsyncIterator, timeout_s: float):
                             "(its KV lease has ended; is the decode pool down?)", capacity=True) from None
 
 
-async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resilience) -> PrefillResult:
+async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resilience,
+                   reachable: Callable[[], bool] | None = None) -> PrefillResult:
     """The prefill call, tried on another replica when the one it reached is gone. A
-    retry that no replica answers within `prefill_retry_wait_s` (the pool has no live
-    replica: Serve queues the call until one is replaced) is cancelled, and the pass
-    prefills locally (`PrefillUnavailable`)."""
+    call is given up, and the pass prefills locally (`PrefillUnavailable`), when the
+    prefill pool has no live replica left while it waits (`reachable()` turns False:
+    Serve would queue it until one is replaced, 10-20 s), or when a retry is not
+    answered within `prefill_retry_wait_s`."""
     for attempt in itertools.count():
         response = handle.prefill.remote(req)
         try:
-            if attempt == 0:
-                return await response
-            try:
-                return await asyncio.wait_for(_answer(response), resilience.prefill_retry_wait_s)
-            except TimeoutError:
-                response.cancel()  # the replica that takes it stops it, or withdraws its lease
-                raise PrefillUnavailable(f"no prefill replica answered the retry within "
-                                         f"{resilience.prefill_retry_wait_s:g} s") from None
+            return await _answer(response, reachable, None if attempt == 0 else resilience.prefill_retry_wait_s)
         except asyncio.CancelledError:
             # A cancelled await leaves the Serve call running: the prefill replica would
             # finish the prompt and lease its KV to nobody (held until the lease's TTL).
@@ -509,7 +511,31 @@ async def _prefill(handle, req: PrefillRequest, timing: Timing, resilience: Resi
     raise AssertionError("unreachable")
 
 
-async def _answer(response):
+# How often a waiting prefill call looks whether its pool still has a live replica.
+_REACHABLE_POLL_S = 0.2
+
+
+async def _answer(response, reachable: Callable[[], bool] | None, wait_s: float | None):
+    """`await response`, given up (the call cancelled: the replica that takes it stops
+    it, or withdraws its lease) when `reachable()` turns False or after `wait_s`."""
+    call = asyncio.ensure_future(_awaited(response))
+    started = time.monotonic()
+    try:
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=_REACHABLE_POLL_S)
+            if done:
+                return call.result()
+            if reachable is not None and not reachable():
+                raise PrefillUnavailable("the prefill pool has no live replica")
+            if wait_s is not None and time.monotonic() - started > wait_s:
+                raise PrefillUnavailable(f"no prefill replica answered the retry within {wait_s:g} s")
+    finally:
+        if not call.done():
+            call.cancel()
+            response.cancel()
+
+
+async def _awaited(response):
     return await response
 
 

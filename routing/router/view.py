@@ -55,6 +55,15 @@ def _router(pool: str) -> tuple[Any, asyncio.AbstractEventLoop] | None:
     return None if router is None or entry[1].is_closed() else (router, entry[1])
 
 
+def has_replicas(pool: str) -> bool | None:
+    """Whether this process's `pool` router has a replica to send a call to now; None
+    when no router of `pool` has registered here. Serve drops a replica from its
+    router's set as soon as a call finds its actor dead, and queues calls while the set
+    is empty (until a replacement starts: 10-20 s)."""
+    entry = _router(pool)
+    return None if entry is None else bool(entry[0].curr_replicas)
+
+
 # A router's loop answers in well under a millisecond; one that does not (stopped with
 # its handle) must not hold a request: past this the length rule decides.
 _VIEW_TIMEOUT_S = 1.0

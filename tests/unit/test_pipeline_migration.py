@@ -250,6 +250,36 @@ async def test_a_retry_no_prefill_replica_answers_is_prefilled_where_it_decodes(
     assert placed[-1] == Placement(Where.LOCAL, "prefill_unavailable")
 
 
+async def test_with_the_prefill_pool_known_empty_the_pass_goes_local_at_once(make_engine, prompt, reference):
+    """The prefill router has no replica left (Serve would queue the call until one is
+    replaced): no prefill call is made at all."""
+    prefill, decode = FakePrefill(make_engine()), FakeDecode(make_engine(), die_after=[])
+    placed: list[Placement] = []
+    outs = await collect(pipeline.disaggregated(
+        prefill, pools(decode), request(prompt, "req4"), pipeline.Timing(), placed=placed.append,
+        prefill_reachable=lambda: False))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert prefill.calls == [] and isinstance(decode.requests[0], PrefillRequest)
+    assert placed == [Placement(Where.LOCAL, "prefill_unavailable")]
+
+
+async def test_a_call_waiting_when_the_prefill_pool_empties_goes_local(make_engine, prompt, reference):
+    """The call went out while a replica was there; the replica died before it answered
+    and Serve queues the call: once the router's set is empty the call is cancelled."""
+    prefill = FakePrefill(make_engine(), then_queue=True)
+    decode = FakeDecode(make_engine(), die_after=[])
+    asked: list[bool] = []
+
+    def reachable() -> bool:  # the second look finds the pool empty
+        asked.append(True)
+        return len(asked) < 2
+
+    outs = await collect(pipeline.disaggregated(
+        prefill, pools(decode), request(prompt, "req5"), pipeline.Timing(), prefill_reachable=reachable))
+    assert [t for o in outs for t in o.new_token_ids] == reference
+    assert len(prefill.calls) == 1 and prefill.responses[0].cancelled and isinstance(decode.requests[0], PrefillRequest)
+
+
 async def test_kv_lost_with_its_prefill_replica_is_prefilled_again(make_engine, prompt, reference):
     # The prefill replica answered, then died before decode pulled the KV: nothing was
     # decoded, so prefill runs again (prompt + the first token) and decode goes on.
