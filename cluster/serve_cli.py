@@ -68,7 +68,6 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
     joining = bool(address) or ray.is_initialized()
     if cfg.gateway.ingress == "haproxy" and not joining:
         use_haproxy()
-    from ray import serve
 
     from cluster.app import CONTROLLER_ENV, REPLICA_ENV
     from cluster.ray_start import init_local
@@ -87,8 +86,7 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
     if cfg.gateway.ingress == "haproxy" and joining:
         check_cluster_haproxy()
     cfg.check_fits(ray.cluster_resources().get("CPU", 0))
-    serve.start(http_options={"host": cfg.gateway.host, "port": cfg.gateway.port},
-                controller_options={"runtime_env": {"env_vars": CONTROLLER_ENV}})
+    _start_serve(cfg, CONTROLLER_ENV)
     if serve_config is not None:
         deploy_config(serve_config, ready_timeout)
     else:
@@ -105,6 +103,30 @@ def start(cfg: ClusterConfig, address: str | None = None, ready_timeout: float =
 # is sized for clusters whose routers update slowly; it would make every redeploy and
 # Ctrl-C wait half a minute.
 HAPROXY_DRAIN_S = "5"
+
+
+# `serve.start` waits for the node's proxy (HAProxy's manager actor) to report ready; on a
+# loaded machine the controller has found it slow, killed it and started another while
+# that wait went on, and `serve.start` raised the dead actor's error. A second call joins
+# the running controller; the deploy then waits for /ready, which needs the new proxy.
+SERVE_START_TRIES = 3
+
+
+def _start_serve(cfg: ClusterConfig, controller_env: dict[str, str]) -> None:
+    import ray
+    from ray import serve
+
+    for attempt in range(1, SERVE_START_TRIES + 1):
+        try:
+            serve.start(http_options={"host": cfg.gateway.host, "port": cfg.gateway.port},
+                        controller_options={"runtime_env": {"env_vars": controller_env}})
+            return
+        except (ray.exceptions.RayActorError, TimeoutError) as e:
+            if attempt == SERVE_START_TRIES:
+                raise RuntimeError(f"Serve's proxy did not start after {attempt} tries (is the machine "
+                                   f"overloaded? {type(e).__name__}: {str(e).splitlines()[0]})") from e
+            log.warning("Serve's proxy was not ready (%s); trying again (%d of %d)",
+                        type(e).__name__, attempt + 1, SERVE_START_TRIES)
 
 
 # What a Ray cluster must run with for `gateway.ingress: haproxy`: Serve's HAProxy

@@ -43,8 +43,8 @@ LAYOUTS = {
     "aggregated-direct (baseline)": ("baseline", ["--config", "deploy/aggregated-direct.yaml"]),
 }
 # (label, concurrency, prompts, input tokens, output tokens)
-POINTS = [("c=1", 1, 6, 128, 128), ("c=8", 8, 16, 128, 128), ("c=32", 32, 32, 128, 128),
-          ("prefill-512", 1, 4, 512, 1)]
+POINTS = [("c=1", 1, 4, 128, 128), ("c=8", 8, 16, 128, 128), ("c=32", 32, 32, 128, 128),
+          ("prefill-512", 1, 3, 512, 1)]
 
 
 def _ready(deadline_s: float, proc: subprocess.Popen) -> None:
