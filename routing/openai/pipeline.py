@@ -63,6 +63,7 @@ from kvtransfer.messages import (
     RejectReason,
     SequenceMoved,
 )
+from routing.openai.config import GatewayConfig
 from routing.openai.errors import deadline_exceeded
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class Resilience:
     prefill_retries: int = 0
     decode_start_grace_s: float = grace_after_lease(TransferConfig().timeout_s)
     # How long a prefill retry may wait for an answer before the pass prefills locally.
-    prefill_retry_wait_s: float = 3.0
+    prefill_retry_wait_s: float = GatewayConfig().prefill_retry_wait_s
 
 
 class Outcome(StrEnum):
